@@ -1,0 +1,3 @@
+from celerytp.cli import main
+
+raise SystemExit(main())

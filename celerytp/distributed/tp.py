@@ -1,0 +1,47 @@
+"""The tensor-parallel context a rank hands to its model: rank, world size and the collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def divide(numerator: int, denominator: int, what: str = "value") -> int:
+    """Exact division that names both numbers when it is not exact."""
+    if denominator <= 0 or numerator % denominator:
+        raise ValueError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Rank, world size and process group of one tensor-parallel rank.
+
+    Args:
+        rank: this rank's index in the group.
+        world_size: number of ranks.
+        group: the torch.distributed group; None means the default group (or no group at
+            world size 1, where every collective is the identity).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` in place over all ranks and return it."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `tensor` in place with rank `src`'s value and return it."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor

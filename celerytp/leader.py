@@ -1,0 +1,145 @@
+"""The leader: sends every op to all ranks as one chord and combines the replies."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from celerytp import protocol as p
+from celerytp.app import DEFAULT_GROUP, make_app, queue_name
+from celerytp.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
+from celerytp.keys import owner_key
+from celerytp.protocol import ErrorKind
+from celerytp.worker.tasks import GATHER_TASK, op_task_name
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int | None
+    kind: ErrorKind
+    message: str
+
+    def __str__(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else "leader"
+        return f"{who} [{self.kind}]: {self.message}"
+
+
+class CeleryTPError(Exception):
+    """An op failed; `failures` names every failing rank with its kind and message."""
+
+    def __init__(self, op: str, failures: list[RankFailure]):
+        self.op = op
+        self.failures = failures
+        super().__init__(f"{op} failed: " + "; ".join(str(f) for f in failures))
+
+    @property
+    def kinds(self) -> set[ErrorKind]:
+        return {f.kind for f in self.failures}
+
+
+class Leader:
+    """Drives the rank workers of one group through chords.
+
+    Args:
+        broker_url: Redis URL of the group's broker and result backend.
+        group: group name (queues ``celerytp.<group>.rank.<r>``).
+        world_size: number of ranks.
+        timeout: default seconds to wait for an op's replies.
+    """
+
+    def __init__(self, broker_url: str, group: str = DEFAULT_GROUP, world_size: int = 1, timeout: float = 60.0):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.broker_url = broker_url
+        self.group = group
+        self.world_size = world_size
+        self.timeout = timeout
+        self.app = make_app(broker_url, group, world_size, main="celerytp-leader")
+        self.redis = redis.Redis.from_url(broker_url)
+        self._local_lock = threading.Lock()
+        self._publisher = ChordPublisher(self.app, self.redis, group, world_size, GATHER_TASK)
+
+    # ---- foundation ops ---------------------------------------------------------------
+
+    def ping(self, timeout: float | None = None) -> list[p.Pong]:
+        return self.call("ping", timeout=timeout)
+
+    def init(self, comm_id: str | None = None, timeout_s: float = 60.0) -> list[p.InitOk]:
+        """Form a new process group epoch (a fresh comm_id unless one is given)."""
+        comm_id = comm_id or uuid.uuid4().hex
+        return self.call("init", {"comm_id": comm_id, "timeout_s": timeout_s}, timeout=timeout_s + 30)
+
+    def sanity_check(self) -> list[p.SanityResult]:
+        return self.call("sanity_check")
+
+    def shutdown(self) -> list[p.Bye]:
+        return self.call("shutdown")
+
+    def health(self) -> list[dict | None]:
+        """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""
+        values = self.redis.mget([owner_key(self.group, r) for r in range(self.world_size)])
+        return [json.loads(v) if v else None for v in values]
+
+    # ---- dispatch ---------------------------------------------------------------------
+
+    def call(self, op: str, fields: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
+        """Send `op` to every rank as one chord; return the typed replies in rank order."""
+        if op not in p.REQUESTS:
+            raise CeleryTPError(op, [RankFailure(None, ErrorKind.BAD_REQUEST, f"unknown op {op!r}; known: {sorted(p.REQUESTS)}")])
+        timeout = self.timeout if timeout is None else timeout
+        with self._local_lock:
+            try:
+                sent = self._publisher.publish(
+                    op_task_name(op), lambda seq: {"op": op, "seq": seq, **(fields or {})}, expires=timeout, lock_wait=timeout
+                )
+            except DispatchLockTimeout as exc:
+                raise CeleryTPError(op, [RankFailure(None, ErrorKind.TIMEOUT, str(exc))]) from None
+            combined = self._wait(op, sent, timeout)
+        failures = [
+            RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
+            for r in combined["replies"]
+            if r.get("type") == "error"
+        ]
+        if failures:
+            raise CeleryTPError(op, failures)
+        return [p.parse_reply(r) for r in combined["replies"]]
+
+    def _wait(self, op: str, sent: PublishedChord, timeout: float) -> dict:
+        try:
+            return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, propagate=True)
+        except CeleryTimeout:
+            raise CeleryTPError(op, self._unfinished_ranks(sent, timeout)) from None
+        except Exception as exc:  # a header task raised or its worker died
+            raise CeleryTPError(op, self._failed_ranks(sent, exc)) from None
+        finally:
+            self.redis.delete(self.app.backend.get_key_for_task(sent.body_id))
+
+    def _unfinished_ranks(self, sent: PublishedChord, timeout: float) -> list[RankFailure]:
+        """Name the ranks that did not answer (and whether their worker lives) and those that failed."""
+        finished = self._publisher.finished_parts(sent)
+        alive = self.health()
+        failures = []
+        for rank in range(self.world_size):
+            if rank in finished:
+                _, reply = finished[rank]
+                if isinstance(reply, dict) and reply.get("type") == "error":
+                    failures.append(RankFailure(rank, ErrorKind(reply["kind"]), reply.get("message", "")))
+            elif alive[rank] is None:
+                failures.append(RankFailure(rank, ErrorKind.RANK_LOST, "no live worker holds this rank"))
+            else:
+                failures.append(RankFailure(rank, ErrorKind.TIMEOUT, f"no reply within {timeout:.1f}s (worker alive: busy or stuck)"))
+        return failures or [RankFailure(None, ErrorKind.TIMEOUT, f"no combined reply within {timeout:.1f}s")]
+
+    def _failed_ranks(self, sent: PublishedChord, exc: Exception) -> list[RankFailure]:
+        failures = [
+            RankFailure(rank, ErrorKind.RANK_LOST, f"task failed: {result}")
+            for rank, (state, result) in sorted(self._publisher.finished_parts(sent).items())
+            if state != "SUCCESS"
+        ]
+        return failures or [RankFailure(None, ErrorKind.INTERNAL, f"chord failed: {exc!r}")]

@@ -1,0 +1,167 @@
+"""Wire protocol between the leader and the rank workers: typed, validated JSON messages.
+
+Every request is a JSON object with `op` and `seq`; every reply is a JSON object with
+`type`. Failures are `error{kind, message, rank}` replies, never exceptions on the wire.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ErrorKind(StrEnum):
+    BAD_REQUEST = "bad_request"
+    NOT_INITIALISED = "not_initialised"
+    INIT_FAILED = "init_failed"
+    SANITY_FAILED = "sanity_failed"
+    DEVICE_UNAVAILABLE = "device_unavailable"
+    OUT_OF_ORDER = "out_of_order"
+    TIMEOUT = "timeout"
+    RANK_LOST = "rank_lost"
+    ALREADY_LOADED = "already_loaded"
+    LOAD_FAILED = "load_failed"
+    UNSUPPORTED_ARCH = "unsupported_arch"
+    MODEL_NOT_LOADED = "model_not_loaded"
+    FORWARD_FAILED = "forward_failed"
+    INTERNAL = "internal"
+
+
+class Message(BaseModel):
+    """Strict JSON object: unknown fields and wrong types are refused, never coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+Seq = Annotated[int, Field(ge=1)]
+ModelId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
+
+
+# ---- requests -------------------------------------------------------------------------
+
+
+class Request(Message):
+    op: str
+    seq: Seq
+
+
+class PingRequest(Request):
+    op: Literal["ping"] = "ping"
+
+
+class InitRequest(Request):
+    op: Literal["init"] = "init"
+    comm_id: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+
+
+class SanityCheckRequest(Request):
+    op: Literal["sanity_check"] = "sanity_check"
+
+
+class ShutdownRequest(Request):
+    op: Literal["shutdown"] = "shutdown"
+
+
+# ---- replies --------------------------------------------------------------------------
+
+
+class Reply(Message):
+    type: str
+    rank: Annotated[int, Field(ge=0)]
+
+
+class Pong(Reply):
+    type: Literal["pong"] = "pong"
+    world_size: Annotated[int, Field(ge=1)]
+    device: str
+    comm_id: str | None = None
+
+
+class InitOk(Reply):
+    type: Literal["init_ok"] = "init_ok"
+    comm_id: str
+    backend: str
+
+
+class SanityResult(Reply):
+    type: Literal["sanity_result"] = "sanity_result"
+    observed_sum: int
+
+
+class Bye(Reply):
+    type: Literal["bye"] = "bye"
+
+
+class ErrorReply(Reply):
+    type: Literal["error"] = "error"
+    kind: Annotated[ErrorKind, Field(strict=False)]  # arrives as its JSON string
+    message: str
+
+
+REQUESTS: dict[str, type[Request]] = {}
+REPLIES: dict[str, type[Reply]] = {}
+
+
+def register_request(cls: type[Request]) -> type[Request]:
+    REQUESTS[cls.model_fields["op"].default] = cls
+    return cls
+
+
+def register_reply(cls: type[Reply]) -> type[Reply]:
+    REPLIES[cls.model_fields["type"].default] = cls
+    return cls
+
+
+for _cls in (PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest):
+    register_request(_cls)
+for _cls in (Pong, InitOk, SanityResult, Bye, ErrorReply):
+    register_reply(_cls)
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; `kind` says why in protocol terms."""
+
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "message"
+        parts.append(f"field '{field}': {item['msg']}")
+    return "; ".join(parts)
+
+
+def parse_request(data: Any, expected_op: str | None = None) -> Request:
+    """Validate a decoded JSON request; raise ProtocolError(bad_request) naming the field."""
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorKind.BAD_REQUEST, f"request must be a JSON object, got {type(data).__name__}")
+    op = data.get("op")
+    if not isinstance(op, str) or op not in REQUESTS:
+        raise ProtocolError(ErrorKind.BAD_REQUEST, f"field 'op': unknown op {op!r}; known: {sorted(REQUESTS)}")
+    if expected_op is not None and op != expected_op:
+        raise ProtocolError(ErrorKind.BAD_REQUEST, f"field 'op': {op!r} sent to the {expected_op!r} task")
+    try:
+        return REQUESTS[op].model_validate(data)
+    except ValidationError as exc:
+        raise ProtocolError(ErrorKind.BAD_REQUEST, f"{op}: {_describe(exc)}") from None
+
+
+def parse_reply(data: Any) -> Reply:
+    """Validate a decoded JSON reply (leader side)."""
+    if not isinstance(data, dict) or data.get("type") not in REPLIES:
+        raise ProtocolError(ErrorKind.INTERNAL, f"malformed reply: {data!r:.200}")
+    try:
+        return REPLIES[data["type"]].model_validate(data)
+    except ValidationError as exc:
+        raise ProtocolError(ErrorKind.INTERNAL, f"malformed {data['type']} reply: {_describe(exc)}") from None
+
+
+def error_reply(rank: int, kind: ErrorKind, message: str) -> dict[str, Any]:
+    return ErrorReply(rank=rank, kind=kind, message=message).model_dump(mode="json")

@@ -1,0 +1,281 @@
+"""Foundation: real Redis, real rank worker processes, real gloo groups, chords for every op."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+from kombu import Connection, Producer
+
+from celerytp import CeleryTPError, Leader
+from celerytp.app import queue_name
+from celerytp.cluster import LocalCluster
+from celerytp.protocol import ErrorKind
+from celerytp.worker.tasks import op_task_name
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ping_init_sanity(world_size):
+    with LocalCluster(world_size=world_size, group=f"ws{world_size}") as cluster:
+        leader = cluster.leader
+        pongs = leader.ping()
+        assert [p.rank for p in pongs] == list(range(world_size))
+        assert all(p.world_size == world_size and p.device == "cpu" for p in pongs)
+        assert len({p.comm_id for p in pongs}) == 1 and pongs[0].comm_id is not None
+        sums = leader.sanity_check()
+        assert [s.rank for s in sums] == list(range(world_size))
+        assert [s.observed_sum for s in sums] == [world_size] * world_size
+
+        # A new comm_id tears the old group down and forms a new epoch.
+        old = pongs[0].comm_id
+        replies = leader.init("epoch-2")
+        assert {r.comm_id for r in replies} == {"epoch-2"} and {r.backend for r in replies} == {"gloo"}
+        assert {p.comm_id for p in leader.ping()} == {"epoch-2"} != {old}
+        assert [s.observed_sum for s in leader.sanity_check()] == [world_size] * world_size
+
+
+def test_restarted_rank_is_reported_and_reinit_recovers(cluster2):
+    leader = cluster2.leader
+    victim = cluster2.workers[1]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    # Wait for the dead worker's heartbeat to lapse, then start a replacement.
+    deadline = time.monotonic() + 15
+    while leader.health()[1] is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cluster2.workers[1] = cluster2.spawn_worker(1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            leader.ping(timeout=3)
+            break
+        except CeleryTPError:
+            assert time.monotonic() < deadline
+
+    with pytest.raises(CeleryTPError) as info:
+        leader.sanity_check()
+    by_rank = {f.rank: f for f in info.value.failures}
+    # Rank 1 is new and has no group; rank 0's peer vanished under it. Both are reported.
+    assert by_rank[1].kind is ErrorKind.NOT_INITIALISED
+    assert by_rank[0].kind in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.NOT_INITIALISED)
+    assert "rank 1 [not_initialised]" in str(info.value)
+
+    leader.init()
+    assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+
+
+def test_collective_with_a_stuck_peer_times_out(cluster2):
+    leader = cluster2.leader
+    leader.init(timeout_s=3)
+    stuck = psutil.Process(cluster2.workers[1].pid)
+    stuck.suspend()
+    try:
+        start = time.monotonic()
+        with pytest.raises(CeleryTPError) as info:
+            leader.call("sanity_check", timeout=8)
+        elapsed = time.monotonic() - start
+    finally:
+        stuck.resume()
+    by_rank = {f.rank: f.kind for f in info.value.failures}
+    # Rank 0's all-reduce gives up after the group's 3 s; rank 1 never answered (suspended
+    # longer than its heartbeat lasts, so it may also count as lost).
+    assert by_rank[0] is ErrorKind.TIMEOUT, info.value
+    assert by_rank[1] in (ErrorKind.TIMEOUT, ErrorKind.RANK_LOST), info.value
+    assert elapsed < 8.5
+    leader.init(timeout_s=30)
+    assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+
+
+def test_uninitialised_group_gives_typed_error_on_every_rank(cluster2):
+    with LocalCluster(world_size=2, group="noinit", form_group=False) as cluster:
+        with pytest.raises(CeleryTPError) as info:
+            cluster.leader.sanity_check()
+        assert [(f.rank, f.kind) for f in info.value.failures] == [
+            (0, ErrorKind.NOT_INITIALISED),
+            (1, ErrorKind.NOT_INITIALISED),
+        ]
+
+
+def test_unavailable_device_is_typed():
+    with LocalCluster(world_size=1, group="nocuda", device="cuda:0", form_group=False) as cluster:
+        assert cluster.leader.ping()[0].device.startswith("unavailable")
+        with pytest.raises(CeleryTPError) as info:
+            cluster.leader.init(timeout_s=5)
+        assert info.value.kinds == {ErrorKind.DEVICE_UNAVAILABLE}
+
+
+def test_malformed_requests_get_bad_request_and_workers_survive(cluster2):
+    leader = cluster2.leader
+    cases = [
+        ("init", {"comm_id": 5}, "comm_id"),
+        ("init", {"comm_id": "ok", "timeout_s": "soon"}, "timeout_s"),
+        ("ping", {"surprise": 1}, "surprise"),
+        ("ping", {"op": "bogus"}, "op"),
+        ("sanity_check", {"op": "ping"}, "op"),
+    ]
+    for op, fields, field in cases:
+        with pytest.raises(CeleryTPError) as info:
+            leader.call(op, fields)
+        assert [f.rank for f in info.value.failures] == [0, 1]
+        assert info.value.kinds == {ErrorKind.BAD_REQUEST}
+        assert f"'{field}'" in str(info.value)
+    with pytest.raises(CeleryTPError) as info:
+        leader.call("no_such_op")
+    assert info.value.kinds == {ErrorKind.BAD_REQUEST}
+    assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+
+
+def test_pickled_and_unknown_messages_are_refused(cluster2):
+    leader = cluster2.leader
+    queue = queue_name(cluster2.group, 0)
+    with Connection(cluster2.broker_url) as conn:
+        producer = Producer(conn)
+        # A pickled task message: the worker must refuse to deserialize it.
+        producer.publish(
+            ((), {}, {}), routing_key=queue, serializer="pickle",
+            headers={"task": op_task_name("ping"), "id": "pickled-1", "lang": "py", "argsrepr": "", "kwargsrepr": ""},
+        )
+        # A JSON message for a task that does not exist, and one that is not a task at all.
+        producer.publish(
+            [[{"op": "ping", "seq": 1}], {}, {}], routing_key=queue, serializer="json",
+            headers={"task": "celerytp.rank.no_such_task", "id": "unknown-1", "lang": "py"},
+        )
+        producer.publish({"hello": "world"}, routing_key=queue, serializer="json")
+    time.sleep(1.0)
+    assert all(p.poll() is None for p in cluster2.workers)
+    assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+    assert "pickle" in cluster2.log(0).lower()
+
+
+def test_stale_sequence_is_out_of_order(cluster2):
+    leader = cluster2.leader
+    leader.ping()
+    # Replay an old sequence number straight to rank 0's queue, as a redelivery would.
+    result = leader.app.send_task(op_task_name("ping"), args=({"op": "ping", "seq": 1},), queue=queue_name(cluster2.group, 0))
+    reply = result.get(timeout=10)
+    assert reply["type"] == "error" and reply["kind"] == "out_of_order"
+    assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+
+
+def _hammer(leader: Leader, ops: int, errors: list) -> None:
+    try:
+        for _ in range(ops):
+            assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+    except Exception as exc:  # reported to the main thread
+        errors.append(exc)
+
+
+def test_two_leaders_in_threads(cluster2):
+    errors: list = []
+    leaders = [Leader(cluster2.broker_url, cluster2.group, 2, timeout=30) for _ in range(2)]
+    threads = [threading.Thread(target=_hammer, args=(leader, 100, errors)) for leader in leaders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+
+
+def test_two_leaders_in_processes(cluster2):
+    script = textwrap.dedent(
+        f"""
+        from celerytp import Leader
+        leader = Leader({cluster2.broker_url!r}, {cluster2.group!r}, 2, timeout=30)
+        for _ in range(100):
+            assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+        print("done")
+        """
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert out.strip() == b"done"
+    assert [s.observed_sum for s in cluster2.leader.sanity_check()] == [2, 2]
+
+
+def test_second_worker_for_owned_rank_is_refused(cluster2):
+    proc = subprocess.run(
+        [sys.executable, "-m", "celerytp", "worker", "--rank", "1", "--world-size", "2",
+         "--group", cluster2.group, "--broker", cluster2.broker_url],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "refusing to start" in proc.stderr and "rank:1:owner" in proc.stderr
+    assert [s.observed_sum for s in cluster2.leader.sanity_check()] == [2, 2]
+
+
+def test_silent_rank_is_reported_by_number(cluster2):
+    stuck = psutil.Process(cluster2.workers[1].pid)
+    stuck.suspend()
+    try:
+        with pytest.raises(CeleryTPError) as info:
+            cluster2.leader.ping(timeout=1.5)
+    finally:
+        stuck.resume()
+    assert [(f.rank, f.kind) for f in info.value.failures] == [(1, ErrorKind.TIMEOUT)]
+    assert len(cluster2.leader.ping()) == 2
+
+
+def _tree(pids: list[int]) -> set[int]:
+    found = set(pids)
+    for pid in pids:
+        try:
+            found |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _gone(pids: set[int], within: float = 15) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_teardown_leaves_no_process():
+    with LocalCluster(world_size=2, group="teardown") as cluster:
+        pids = _tree(cluster.pids)
+        assert len(pids) >= 3
+    assert _gone(pids)
+
+
+def test_teardown_on_exception_and_on_ctrl_c():
+    with pytest.raises(RuntimeError):
+        with LocalCluster(world_size=1, group="boom") as cluster:
+            pids = _tree(cluster.pids)
+            raise RuntimeError("boom")
+    assert _gone(pids)
+
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from celerytp.cluster import LocalCluster
+        with LocalCluster(world_size=2, group="ctrlc") as cluster:
+            print(" ".join(map(str, cluster.pids)), flush=True)
+            time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = _tree([int(p) for p in proc.stdout.readline().split()])
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+    assert _gone(pids | {proc.pid})
+
+
+def test_shutdown_stops_every_worker():
+    with LocalCluster(world_size=2, group="bye") as cluster:
+        assert [b.rank for b in cluster.leader.shutdown()] == [0, 1]
+        for proc in cluster.workers:
+            assert proc.wait(30) == 0
