@@ -1,0 +1,33 @@
+"""Weight loaders: copy a checkpoint slice into a parameter, checking shapes (vLLM style).
+
+Each parameter carries `weight_loader(param, source, shard_id)`; the model loader only looks
+up (param, shard_id) for a checkpoint name and calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from celerytp.loading.checkpoint import TensorSource
+from celerytp.loading.errors import LoadError
+
+
+def check_shape(source: TensorSource, expected: tuple[int, ...]) -> None:
+    if tuple(source.shape) != tuple(expected):
+        raise LoadError(
+            "load_failed", f"{source.name}: checkpoint shape {tuple(source.shape)}, model expects {tuple(expected)}"
+        )
+
+
+def copy_into(dest: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if dest.shape != value.shape:
+        raise LoadError(
+            "load_failed", f"{name}: slice shape {tuple(value.shape)} != parameter shape {tuple(dest.shape)}"
+        )
+    dest.copy_(value)
+
+
+def replicated_loader(param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
+    """Every rank holds the whole tensor (embeddings, norms, lm_head)."""
+    check_shape(source, tuple(param.shape))
+    copy_into(param.data, source.read(), source.name)

@@ -1,0 +1,20 @@
+"""Model registry and the loading entry point ranks call: load_model(path, tp) -> CausalLM."""
+
+from celerytp.loading.errors import LoadError
+from celerytp.models.base import BuildOptions, CausalLM
+from celerytp.models.config import ModelConfig
+from celerytp.models.llama import LlamaForCausalLM
+from celerytp.models.loader import MODEL_REGISTRY, build_model, load_model
+from celerytp.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = [
+    "MODEL_REGISTRY",
+    "BuildOptions",
+    "CausalLM",
+    "LlamaForCausalLM",
+    "LoadError",
+    "ModelConfig",
+    "Qwen3ForCausalLM",
+    "build_model",
+    "load_model",
+]

@@ -1,0 +1,162 @@
+"""CausalLM: the interface a rank drives (forward with KV cache) and table-driven loading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from celerytp.distributed.tp import TPContext
+from celerytp.layers.kv_cache import KVCache
+from celerytp.loading.checkpoint import Checkpoint
+from celerytp.loading.errors import LoadError
+from celerytp.models.config import ModelConfig
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Where and how a rank builds its shard of a model.
+
+    Args:
+        tp: this rank's tensor-parallel context.
+        dtype: compute and storage dtype of weights and KV cache.
+        device: where tensors live.
+        max_context: positions preallocated in the KV cache.
+        max_batch: batch slots in the KV cache.
+        mlp_block: the checkpoint's quant block along down_proj's columns (1 if unquantized),
+            so MLP shards start on block boundaries.
+    """
+
+    tp: TPContext
+    dtype: torch.dtype
+    device: torch.device
+    max_context: int
+    max_batch: int = 1
+    mlp_block: int = 1
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model shard with its KV cache.
+
+    Subclasses build `self.model` (embed_tokens, layers, norm, rotary_emb) and
+    `self.lm_head`, named as in the Hugging Face checkpoint.
+    """
+
+    # Checkpoint matrices packed into one of our parameters, in packing order (vLLM style).
+    packed_modules_mapping: dict[str, tuple[str, ...]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    model: nn.Module
+    lm_head: nn.Module
+
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__()
+        self.config = config
+        self.options = options
+        self.tp = options.tp
+        self.max_context = options.max_context
+        self.cache_len = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.options.device
+
+    # ---- forward -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_tokens(self, tokens: torch.Tensor, offset: int, *, last_only: bool = False) -> torch.Tensor:
+        """Run tokens (T,) at positions offset..offset+T-1, appending to the KV cache.
+
+        Returns float32 logits (T, vocab), or (1, vocab) for the last position when
+        `last_only` (saves a (T, vocab) matrix on long prompts).
+        """
+        if tokens.dim() != 1 or tokens.numel() == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
+        n = tokens.numel()
+        if offset != self.cache_len:
+            raise ValueError(f"offset {offset} != cache_len {self.cache_len}")
+        if offset + n > self.max_context:
+            raise ValueError(f"offset {offset} + {n} tokens exceeds max_context {self.max_context}")
+        ids = tokens.to(device=self.device, dtype=torch.long)[None]  # (1, T)
+        h = self.model(ids, offset)  # (1, T, D)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(h)[0].float()  # (T, V)
+        self.cache_len = offset + n
+        return logits
+
+    def clear_cache(self) -> None:
+        """Forget all cached positions (the buffers stay allocated and are overwritten)."""
+        self.cache_len = 0
+
+    def kv_caches(self) -> list[KVCache]:
+        return [m for m in self.modules() if isinstance(m, KVCache)]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of this rank's split weights, replicated weights and KV cache."""
+        sharded = replicated = 0
+        for p in self.parameters():  # parameters() yields a tied weight once
+            if getattr(p, "tp_sharded", False):
+                sharded += p.nbytes
+            else:
+                replicated += p.nbytes
+        kv = sum(c.nbytes for c in self.kv_caches())
+        return {"sharded_bytes": sharded, "replicated_bytes": replicated, "kv_cache_bytes": kv}
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def checkpoint_table(self) -> dict[str, tuple[nn.Parameter, str | None]]:
+        """Checkpoint tensor name -> (our parameter, shard id within a packed parameter)."""
+        table: dict[str, tuple[nn.Parameter, str | None]] = {}
+        for name, param in self.named_parameters():
+            module_path, _, leaf = name.rpartition(".")
+            prefix, _, module = module_path.rpartition(".")
+            for sub in self.packed_modules_mapping.get(module, ()):
+                table[f"{prefix}.{sub}.{leaf}"] = (param, sub)
+            if module not in self.packed_modules_mapping:
+                table[name] = (param, None)
+        return table
+
+    def is_ignorable(self, name: str) -> bool:
+        """Checkpoint tensors we may skip: a saved copy of a tied lm_head, rotary buffers."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return True
+        return name.endswith("rotary_emb.inv_freq")
+
+    def load_weights(self, checkpoint: Checkpoint, progress: Progress | None = None) -> set[str]:
+        """Copy each checkpoint tensor we know into its parameter; return the names loaded.
+
+        Checks names first, so a wrong checkpoint fails before any data is read.
+        """
+        table = self.checkpoint_table()
+        names = checkpoint.names()
+        check_names(set(table), names, self.is_ignorable)
+        loaded: set[str] = set()
+        for i, name in enumerate(names, 1):
+            if name in table:
+                param, shard_id = table[name]
+                param.weight_loader(param, checkpoint.source(name), shard_id)
+                loaded.add(name)
+            if progress is not None:
+                progress(i, len(names), name)
+        return loaded
+
+
+def check_names(expected: set[str], names: list[str], ignorable: Callable[[str], bool]) -> None:
+    """Raise LoadError listing checkpoint names we lack and parameters it lacks."""
+    present = set(names)
+    missing = sorted(expected - present)
+    unexpected = sorted(n for n in present - expected if not ignorable(n))
+    if missing or unexpected:
+        raise LoadError("load_failed", f"missing: {_short(missing)}; unexpected: {_short(unexpected)}")
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + "]" + more

@@ -1,0 +1,141 @@
+"""Llama (LlamaForCausalLM) with tensor-parallel attention and MLP; the base of Qwen3."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celerytp.layers.kv_cache import KVCache
+from celerytp.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedEmbedding,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from celerytp.layers.norm import RMSNorm
+from celerytp.layers.partition import split_heads, split_intermediate
+from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
+from celerytp.models.base import BuildOptions, CausalLM
+from celerytp.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention over this rank's whole KV groups, with a preallocated KV cache."""
+
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__()
+        tp, hd = options.tp, config.head_dim
+        heads = split_heads(tp.rank, tp.world_size, config.num_heads, config.num_kv_heads)
+        self.heads = heads
+        self.num_heads = heads.q_count  # local
+        self.num_kv_heads = heads.kv_count  # local
+        self.head_dim = hd
+        self.scaling = hd**-0.5
+        common = {"dtype": options.dtype, "device": options.device}
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, hd, config.num_heads, config.num_kv_heads, heads, bias=config.attention_bias, **common
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * hd,
+            config.hidden_size,
+            (heads.q_start * hd, heads.q_count * hd),
+            tp,
+            bias=config.attention_bias,
+            **common,
+        )
+        self.kv_cache = KVCache(options.max_batch, self.num_kv_heads, options.max_context, hd, **common)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k  # Qwen3 normalizes each head here
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, nkv, hd)
+        q, k = self.norm_qk(q, k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        k, v = self.kv_cache.update(offset, k, v)  # (B, nkv, offset+T, hd)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj(y)  # all-reduced over ranks
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with gate/up split by columns and down_proj by rows."""
+
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__()
+        tp = options.tp
+        local = split_intermediate(tp.rank, tp.world_size, config.intermediate_size, options.mlp_block)
+        common = {"dtype": options.dtype, "device": options.device, "bias": config.mlp_bias}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, local, ("gate_proj", "up_proj"), **common
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, local, tp, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I_local) each
+        return self.down_proj(F.silu(gate) * up)  # all-reduced over ranks
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__()
+        norm = {"dtype": options.dtype, "device": options.device}
+        self.self_attn = self.attention_cls(config, options)
+        self.mlp = LlamaMLP(config, options)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, offset, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, options: BuildOptions, layer_cls: type[LlamaDecoderLayer]) -> None:
+        super().__init__()
+        common = {"dtype": options.dtype, "device": options.device}
+        self.embed_tokens = ReplicatedEmbedding(config.vocab_size, config.hidden_size, **common)
+        self.layers = nn.ModuleList(layer_cls(config, options) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **common)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, options.max_context, config.rope, device=options.device)
+
+    def forward(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
+        T = ids.shape[1]
+        positions = torch.arange(offset, offset + T, device=ids.device)
+        h = self.embed_tokens(ids)  # (B, T, D)
+        cos, sin = self.rotary_emb(positions, h.dtype)  # (T, hd) each
+        mask = None
+        if T > 1:  # query i sees cached keys and its own prefix: key j <= offset + i
+            mask = torch.ones(T, offset + T, dtype=torch.bool, device=ids.device).tril(diagonal=offset)
+        for layer in self.layers:
+            h = layer(h, cos, sin, offset, mask)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(CausalLM):
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__(config, options)
+        self.model = LlamaModel(config, options, self.decoder_layer_cls)
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = ReplicatedLinear(
+            config.hidden_size, config.vocab_size, dtype=options.dtype, device=options.device, tied_weight=tied
+        )

@@ -1,0 +1,85 @@
+"""load_model: open a checkpoint, build this rank's shard, read only its slices, check names."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from celerytp.distributed.tp import TPContext
+from celerytp.loading import Checkpoint, open_checkpoint
+from celerytp.loading.errors import LoadError
+from celerytp.models.base import BuildOptions, CausalLM, Progress
+from celerytp.models.config import ModelConfig
+from celerytp.models.llama import LlamaForCausalLM
+from celerytp.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    tp: TPContext,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_context: int | None = None,
+    progress: Progress | None = None,
+) -> CausalLM:
+    """Load this rank's shard of the model at `path` (HF directory or .gguf file).
+
+    Raises LoadError("unsupported_arch") for paths and architectures we cannot run and
+    LoadError("load_failed") for broken checkpoints or impossible splits.
+    """
+    with open_checkpoint(path) as checkpoint, torch.inference_mode():
+        config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        model = build_model(config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context)
+        loaded = model.load_weights(checkpoint, progress)
+        not_loaded = sorted(set(model.checkpoint_table()) - loaded)
+        if not_loaded:
+            raise LoadError("load_failed", f"missing: {not_loaded}; unexpected: []")
+    return model.eval()
+
+
+def build_model(
+    config: ModelConfig,
+    checkpoint: Checkpoint,
+    tp: TPContext,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    max_context: int | None,
+) -> CausalLM:
+    """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks."""
+    model_cls = MODEL_REGISTRY.get(config.model_type)
+    if model_cls is None:
+        raise LoadError("unsupported_arch", f"model_type {config.model_type!r} has no implementation")
+    if max_context is None:
+        max_context = config.default_max_context
+    if not 1 <= max_context <= config.max_position_embeddings:
+        raise LoadError(
+            "load_failed",
+            f"max_context {max_context} must be within 1..max_position_embeddings {config.max_position_embeddings}",
+        )
+    options = BuildOptions(
+        tp=tp,
+        dtype=dtype,
+        device=torch.device(device),
+        max_context=max_context,
+        mlp_block=_mlp_block(checkpoint, config),
+    )
+    return model_cls(config, options)
+
+
+def _mlp_block(checkpoint: Checkpoint, config: ModelConfig) -> int:
+    """The largest quant block along down_proj's input columns (1 when unquantized)."""
+    names = set(checkpoint.names())
+    blocks = [
+        checkpoint.source(name).column_block()
+        for i in range(config.num_layers)
+        if (name := f"model.layers.{i}.mlp.down_proj.weight") in names
+    ]
+    return max(blocks, default=1)

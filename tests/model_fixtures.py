@@ -1,0 +1,400 @@
+"""Helpers for the model tests: tiny random transformers models, a GGUF writer, rank spawning.
+
+Kept free of a top-level transformers import: spawned ranks import this module to find
+their entry point and only need torch and celerytp.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from celerytp.distributed.tp import TPContext
+from celerytp.models import CausalLM, load_model
+
+LOGITS_ATOL = 1e-4  # float32 logits vs transformers (values are O(1..10))
+DECODE_STEPS = 20
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+# name -> (model_type, config kwargs). Heads/hidden chosen so transformers accepts them.
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # GQA 6/3 (3 KV groups: 2+1 over 2 ranks), head_dim 16 != 48/6, biases, llama3 rope.
+    "llama_gqa_bias": (
+        "llama",
+        dict(
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=16,
+            intermediate_size=96,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rope_theta=50000.0,
+            rope_scaling=LLAMA3_ROPE,
+        ),
+    ),
+    # 2 KV heads: replicated at world size 4; head_dim 32 != 64/8; tied embeddings.
+    "qwen3_tied": (
+        "qwen3",
+        dict(
+            hidden_size=64,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=80,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # MHA 4/4: 2+1+1 KV groups at world size 3; tied; default rope.
+    "llama_mha_tied": (
+        "llama",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+        ),
+    ),
+    # MQA: one KV head replicated on every rank; qwen3 with attention bias; untied.
+    "qwen3_mqa_bias": (
+        "qwen3",
+        dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=72,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+# Dims suited to GGUF quant blocks of 32 (in-features multiples of 32).
+GGUF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # 3 KV groups: 2+1 over 2 ranks, so Q/K un-permutation and o_proj byte ranges are uneven.
+    "llama": (
+        "llama",
+        dict(
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=32,
+            intermediate_size=96,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_scaling=LLAMA3_ROPE,
+        ),
+    ),
+    "qwen3": (
+        "qwen3",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=96,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+COMMON = dict(vocab_size=160, num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def make_hf_model(model_type: str, kwargs: dict[str, Any], seed: int) -> Any:
+    """A transformers model with random weights spread wide enough that greedy has no near-ties.
+
+    Norm weights are randomized too: all-ones norms would hide a norm that was never loaded.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        model_type
+    ]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**COMMON, **kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def make_prompt(vocab_size: int, length: int = 8, seed: int = 1234) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+
+@dataclass
+class Greedy:
+    """Logits of the prompt, then DECODE_STEPS greedy tokens and the logits after each."""
+
+    prompt_logits: torch.Tensor  # (T, V)
+    step_logits: torch.Tensor  # (steps, V)
+    tokens: list[int]
+
+
+def hf_greedy(model: Any, prompt: list[int], steps: int = DECODE_STEPS, use_cache: bool = False) -> Greedy:
+    """Reference greedy decoding with transformers: by default recompute the whole sequence
+    each step (independent of any cache); `use_cache` uses transformers' own KV cache."""
+    seq = list(prompt)
+    with torch.no_grad():
+        out = model(torch.tensor([seq]), use_cache=use_cache)
+        prompt_logits = out.logits[0].float()
+        nxt = int(prompt_logits[-1].argmax())
+        tokens, step_logits = [], []
+        for _ in range(steps):
+            tokens.append(nxt)
+            seq.append(nxt)
+            if use_cache:
+                out = model(torch.tensor([[nxt]]), cache=out.cache, use_cache=True)
+            else:
+                out = model(torch.tensor([seq]), use_cache=False)
+            logits = out.logits[0, -1].float()
+            step_logits.append(logits)
+            nxt = int(logits.argmax())
+    return Greedy(prompt_logits, torch.stack(step_logits), tokens)
+
+
+def our_greedy(model: CausalLM, prompt: list[int], steps: int = DECODE_STEPS) -> Greedy:
+    """Ours: prefill once, then one token per forward through the KV cache."""
+    prompt_logits = model.forward_tokens(torch.tensor(prompt), 0)
+    nxt = int(prompt_logits[-1].argmax())
+    tokens, step_logits = [], []
+    for _ in range(steps):
+        tokens.append(nxt)
+        logits = model.forward_tokens(torch.tensor([nxt]), model.cache_len)[-1]
+        step_logits.append(logits)
+        nxt = int(logits.argmax())
+    return Greedy(prompt_logits.cpu(), torch.stack(step_logits).cpu(), tokens)
+
+
+def assert_matches(ours: Greedy, ref: Greedy, what: str, atol: float = LOGITS_ATOL) -> None:
+    torch.testing.assert_close(ours.prompt_logits, ref.prompt_logits, atol=atol, rtol=0, msg=f"{what}: prompt logits")
+    assert ours.tokens == ref.tokens, f"{what}: greedy tokens differ\nours {ours.tokens}\nref  {ref.tokens}"
+    torch.testing.assert_close(ours.step_logits, ref.step_logits, atol=atol, rtol=0, msg=f"{what}: decode logits")
+
+
+# ---- GGUF writing, as llama.cpp's convert_hf_to_gguf.py lays tensors out ----------------
+
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name for a Hugging Face llama/qwen3 tensor name."""
+    module, _, kind = hf_name.rpartition(".")
+    if module in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[module]}.{kind}"
+    _, _, layer, rest = module.split(".", 3)  # model.layers.N.<rest>
+    return f"blk.{layer}.{_GGUF_BLOCK[rest]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute (interleaves each head's rotary halves)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(theta: float, head_dim: int, rope: dict[str, Any]) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for llama3 scaling (inv_freq is divided by these)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(
+    model: Any,
+    path: Path,
+    quant: dict[str, gguf.GGMLQuantizationType] | None = None,
+    arch: str | None = None,
+) -> Path:
+    """Write `model` as a GGUF file; `quant` maps a GGUF name substring to a quant type for
+    2-D weights (first match wins; unmatched tensors stay F32)."""
+    cfg = model.config
+    arch = arch or cfg.model_type
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope["rope_theta"], cfg.head_dim, rope))
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
+            data = llama_cpp_permute(data, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        gname = gguf_name(name)
+        qtype = next((q for key, q in (quant or {}).items() if key in gname), None)
+        if qtype is not None and data.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hf_model_from_gguf(model: Any, path: Path) -> Any:
+    """`model`'s architecture with weights read by transformers' own GGUF loader
+    (its dequantization and its reverse of llama.cpp's Q/K permutation)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    ref = type(model)(model.config).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)["tensors"]
+    result = ref.load_state_dict(tensors, strict=False)
+    allowed = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    assert set(result.missing_keys) <= allowed, result.missing_keys
+    assert not result.unexpected_keys, result.unexpected_keys
+    return ref
+
+
+# ---- running real ranks -----------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One model for every rank to load and decode greedily."""
+
+    name: str
+    path: str
+    prompt: list[int]
+    steps: int = DECODE_STEPS
+    max_context: int | None = None
+
+
+@dataclass
+class RankResult:
+    greedy: Greedy
+    shapes: dict[str, tuple[int, ...]]
+    memory: dict[str, int]
+    progress: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def run_job(job: Job, tp: TPContext) -> RankResult:
+    progress: list[tuple[int, int, str]] = []
+    model = load_model(job.path, tp, max_context=job.max_context, progress=lambda d, t, n: progress.append((d, t, n)))
+    greedy = our_greedy(model, job.prompt, job.steps)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return RankResult(greedy, shapes, model.memory_report(), progress)
+
+
+def _rank_entry(rank: int, world_size: int, init_file: str, jobs: list[Job], out_dir: str) -> None:
+    torch.set_num_threads(1)  # several ranks share two cores
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
+        tp = TPContext(rank, world_size, None)
+        results = {}
+        for job in jobs:
+            r = run_job(job, tp)
+            results[job.name] = {
+                "prompt_logits": r.greedy.prompt_logits,
+                "step_logits": r.greedy.step_logits,
+                "tokens": r.greedy.tokens,
+                "shapes": r.shapes,
+                "memory": r.memory,
+            }
+        dist.destroy_process_group()
+        torch.save(results, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def run_ranks(world_size: int, jobs: list[Job], workdir: Path, timeout: float = 240.0) -> list[dict[str, RankResult]]:
+    """Run `jobs` on `world_size` spawned ranks joined by a gloo group; per-rank results."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    init_file = workdir / "pg_init"
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, world_size, str(init_file), jobs, str(workdir)), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in stuck:
+        procs[r].kill()
+        procs[r].join()
+    results = []
+    for r in range(world_size):
+        out = workdir / f"rank{r}.pt"
+        if not out.exists():
+            raise AssertionError(f"rank {r} wrote no result (exitcode {procs[r].exitcode}, stuck ranks {stuck})")
+        data = torch.load(out)
+        if "error" in data:
+            raise AssertionError(f"rank {r} failed:\n{data['error']}")
+        results.append(
+            {
+                name: RankResult(Greedy(d["prompt_logits"], d["step_logits"], d["tokens"]), d["shapes"], d["memory"])
+                for name, d in data.items()
+            }
+        )
+    return results

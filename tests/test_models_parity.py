@@ -1,0 +1,145 @@
+"""Parity with transformers' own Llama/Qwen3 on tiny random models, at world sizes 1-4.
+
+Each spawned group loads several checkpoints so process start-up is paid once per world size.
+Tolerance: logits within atol 1e-4 (rtol 0) at every prompt position and every decode step;
+greedy tokens identical over 20 decode steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_fixtures import (
+    TINY_CONFIGS,
+    Greedy,
+    Job,
+    assert_matches,
+    hf_greedy,
+    make_hf_model,
+    make_prompt,
+    run_job,
+    run_ranks,
+)
+
+from celerytp.distributed.tp import TPContext
+
+# Which tiny configs each world size runs (the others cannot be split that way).
+WORLD_SIZE_CASES = {
+    2: ["llama_gqa_bias", "llama_gqa_bias_sharded", "qwen3_tied", "llama_mha_tied", "qwen3_mqa_bias"],
+    3: ["llama_gqa_bias", "llama_mha_tied"],
+    4: ["qwen3_tied", "llama_mha_tied", "qwen3_mqa_bias"],
+}
+
+
+@dataclass
+class Case:
+    path: Path
+    prompt: list[int]
+    reference: Greedy
+    config: Any
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("parity")
+    out: dict[str, Case] = {}
+    for seed, (name, (model_type, kwargs)) in enumerate(TINY_CONFIGS.items()):
+        model = make_hf_model(model_type, kwargs, seed)
+        prompt = make_prompt(model.config.vocab_size, seed=seed)
+        reference = hf_greedy(model, prompt)
+        model.save_pretrained(root / name, safe_serialization=True)
+        out[name] = Case(root / name, prompt, reference, model.config)
+        if name == "llama_gqa_bias":
+            sharded = root / f"{name}_sharded"
+            model.save_pretrained(sharded, safe_serialization=True, max_shard_size="40KB")
+            assert (sharded / "model.safetensors.index.json").is_file()
+            assert len(list(sharded.glob("*.safetensors"))) > 2
+            out[f"{name}_sharded"] = Case(sharded, prompt, reference, model.config)
+    return out
+
+
+@pytest.mark.parametrize("name", [*TINY_CONFIGS, "llama_gqa_bias_sharded"])
+def test_world_size_1_matches_transformers(cases: dict[str, Case], name: str) -> None:
+    case = cases[name]
+    result = run_job(Job(name, str(case.path), case.prompt), TPContext())
+    assert_matches(result.greedy, case.reference, name)
+    assert result.progress[-1][:2] == (result.progress[-1][1], len(result.progress))
+
+
+@pytest.mark.parametrize("world_size", sorted(WORLD_SIZE_CASES))
+def test_tensor_parallel_matches_transformers(cases: dict[str, Case], world_size: int, tmp_path: Path) -> None:
+    names = WORLD_SIZE_CASES[world_size]
+    jobs = [Job(n, str(cases[n].path), cases[n].prompt) for n in names]
+    per_rank = run_ranks(world_size, jobs, tmp_path)
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            assert_matches(results[name].greedy, cases[name].reference, f"{name} rank {rank}/{world_size}")
+
+
+def test_uneven_and_replicated_shards_have_expected_shapes(cases: dict[str, Case], tmp_path: Path) -> None:
+    """Shapes of the local shards: 3 KV groups on 2 ranks -> 2 + 1; 2 KV heads on 4 ranks
+    -> each KV head on 2 ranks with 2 of its 4 query heads each."""
+    from celerytp.models import load_model
+
+    hd = 16  # llama_gqa_bias: 6 q heads, 3 kv heads, head_dim 16, intermediate 96
+    for rank, kv_heads in ((0, 2), (1, 1)):
+        model = load_model(cases["llama_gqa_bias"].path, TPContext(rank, 2))
+        attn = model.model.layers[0].self_attn
+        assert tuple(attn.qkv_proj.weight.shape) == ((2 * kv_heads + 2 * kv_heads) * hd, 48)
+        assert tuple(attn.o_proj.weight.shape) == (48, 2 * kv_heads * hd)
+        assert tuple(model.model.layers[0].mlp.down_proj.weight.shape) == (48, 48)
+        assert tuple(model.model.embed_tokens.weight.shape) == (160, 48)  # replicated
+    hd = 32  # qwen3_tied: 8 q heads, 2 kv heads, head_dim 32
+    starts = []
+    for rank in range(4):
+        model = load_model(cases["qwen3_tied"].path, TPContext(rank, 4))
+        attn = model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        assert tuple(attn.qkv_proj.weight.shape) == ((2 + 1 + 1) * hd, 64)
+        assert attn.kv_cache.k.shape == (1, 1, 128, hd)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        starts.append((attn.heads.q_start, attn.heads.kv_start))
+    assert starts == [(0, 0), (2, 0), (4, 1), (6, 1)]
+
+
+def test_cache_contract(cases: dict[str, Case]) -> None:
+    from celerytp.models import load_model
+
+    case = cases["llama_mha_tied"]
+    model = load_model(case.path, TPContext(), max_context=16)
+    assert model.max_context == 16 and model.cache_len == 0
+    first = model.forward_tokens(torch.tensor(case.prompt), 0)
+    assert first.dtype == torch.float32 and first.shape == (len(case.prompt), case.config.vocab_size)
+    assert model.cache_len == len(case.prompt)
+    with pytest.raises(ValueError, match="offset 0 != cache_len 8"):
+        model.forward_tokens(torch.tensor([1]), 0)
+    with pytest.raises(ValueError, match="exceeds max_context 16"):
+        model.forward_tokens(torch.tensor([1] * 9), 8)
+    # Chunked prefill through the cache equals one-shot prefill.
+    model.clear_cache()
+    a = model.forward_tokens(torch.tensor(case.prompt[:3]), 0)
+    b = model.forward_tokens(torch.tensor(case.prompt[3:]), 3, last_only=True)
+    torch.testing.assert_close(a, first[:3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(b[0], first[-1], atol=1e-5, rtol=0)
+    report = model.memory_report()
+    assert report["kv_cache_bytes"] == 2 * 2 * 1 * 4 * 16 * 16 * 4  # layers * (k,v) * B * heads * ctx * hd * 4B
+    assert report["sharded_bytes"] > 0 and report["replicated_bytes"] == 160 * 64 * 4 + 5 * 64 * 4
+
+
+def test_bfloat16_stays_close_to_float32(cases: dict[str, Case]) -> None:
+    """bf16 weights and KV cache (the CUDA default) on CPU: float32 logits out, near the reference."""
+    from celerytp.models import load_model
+
+    for name in ("llama_gqa_bias", "qwen3_tied"):
+        case = cases[name]
+        model = load_model(case.path, TPContext(), dtype=torch.bfloat16)
+        assert model.model.layers[0].self_attn.kv_cache.k.dtype == torch.bfloat16
+        logits = model.forward_tokens(torch.tensor(case.prompt), 0)
+        assert logits.dtype == torch.float32
+        err = (logits - case.reference.prompt_logits).abs().max().item()
+        scale = case.reference.prompt_logits.abs().max().item()
+        assert err < 0.05 * scale, (name, err, scale)
