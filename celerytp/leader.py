@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +16,11 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celerytp import protocol as p
 from celerytp.app import DEFAULT_GROUP, make_app, queue_name
 from celerytp.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
-from celerytp.keys import owner_key
+from celerytp.keys import models_key, owner_key
+from celerytp.loading import default_model_path
+from celerytp.progress import LoadProgress
 from celerytp.protocol import ErrorKind
+from celerytp.sampling import SamplingParams
 from celerytp.worker.tasks import GATHER_TASK, op_task_name
 
 
@@ -81,6 +86,68 @@ class Leader:
     def shutdown(self) -> list[p.Bye]:
         return self.call("shutdown")
 
+    # ---- models -----------------------------------------------------------------------
+
+    def load(
+        self,
+        model_id: str,
+        path: str | os.PathLike | None = None,
+        dtype: str | None = None,
+        quant: str | None = None,
+        max_context: int | None = None,
+        progress: bool = False,
+        timeout: float = 1800.0,
+    ) -> list[p.Loaded]:
+        """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF."""
+        if quant is not None:
+            raise CeleryTPError("load", [RankFailure(None, ErrorKind.BAD_REQUEST, "quantized shards are not supported yet")])
+        path = os.path.abspath(path if path is not None else default_model_path())
+        fields = {"model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context}
+        with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
+            replies = self.call("load", fields, timeout=timeout, on_wait=bar.update)
+        first = replies[0]
+        record = {"path": path, "dtype": first.dtype, "model_type": first.model_type,
+                  "vocab_size": first.vocab_size, "max_context": first.max_context}
+        self.redis.hset(models_key(self.group), model_id, json.dumps(record))
+        return replies
+
+    def models(self) -> dict[str, dict]:
+        """Models loaded on this group (by any leader): model_id -> {path, dtype, ...}."""
+        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(models_key(self.group)).items()}
+
+    def step(
+        self,
+        model_id: str,
+        tokens: list[int],
+        offset: int,
+        sampling: SamplingParams | dict | None = None,
+        *,
+        sample: bool = True,
+        return_logits: bool = False,
+    ) -> p.StepResult:
+        """One forward step on every rank; returns rank 0's reply (its `token` is the sample)."""
+        if isinstance(sampling, SamplingParams):
+            sampling = sampling.to_dict()
+        fields = {"model_id": model_id, "tokens": list(tokens), "offset": offset, "sampling": sampling,
+                  "sample": sample, "return_logits": return_logits}
+        return self.call("step", fields)[0]
+
+    def clear_kv_cache(self, model_id: str) -> list[p.Cleared]:
+        return self.call("clear_kv_cache", {"model_id": model_id})
+
+    def unload(self, model_id: str) -> list[p.Unloaded]:
+        """Free the model on every rank."""
+        try:
+            return self.call("unload", {"model_id": model_id})
+        finally:
+            self.redis.hdel(models_key(self.group), model_id)
+
+    def generate(self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options):
+        """Generate a completion; see `celerytp.generation.generate` for the options."""
+        from celerytp.generation import generate
+
+        return generate(self, model_id, prompt=prompt, messages=messages, **options)
+
     def health(self) -> list[dict | None]:
         """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""
         values = self.redis.mget([owner_key(self.group, r) for r in range(self.world_size)])
@@ -88,8 +155,17 @@ class Leader:
 
     # ---- dispatch ---------------------------------------------------------------------
 
-    def call(self, op: str, fields: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
-        """Send `op` to every rank as one chord; return the typed replies in rank order."""
+    def call(
+        self,
+        op: str,
+        fields: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+    ) -> list[Any]:
+        """Send `op` to every rank as one chord; return the typed replies in rank order.
+
+        `on_wait` is called every few milliseconds while waiting (progress display).
+        """
         if op not in p.REQUESTS:
             raise CeleryTPError(op, [RankFailure(None, ErrorKind.BAD_REQUEST, f"unknown op {op!r}; known: {sorted(p.REQUESTS)}")])
         timeout = self.timeout if timeout is None else timeout
@@ -100,7 +176,7 @@ class Leader:
                 )
             except DispatchLockTimeout as exc:
                 raise CeleryTPError(op, [RankFailure(None, ErrorKind.TIMEOUT, str(exc))]) from None
-            combined = self._wait(op, sent, timeout)
+            combined = self._wait(op, sent, timeout, on_wait)
         failures = [
             RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
             for r in combined["replies"]
@@ -110,9 +186,9 @@ class Leader:
             raise CeleryTPError(op, failures)
         return [p.parse_reply(r) for r in combined["replies"]]
 
-    def _wait(self, op: str, sent: PublishedChord, timeout: float) -> dict:
+    def _wait(self, op: str, sent: PublishedChord, timeout: float, on_wait: Callable[[], None] | None) -> dict:
         try:
-            return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, propagate=True)
+            return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_wait)
         except CeleryTimeout:
             raise CeleryTPError(op, self._unfinished_ranks(sent, timeout)) from None
         except Exception as exc:  # a header task raised or its worker died

@@ -65,6 +65,40 @@ class ShutdownRequest(Request):
     op: Literal["shutdown"] = "shutdown"
 
 
+DType = Literal["float32", "bfloat16", "float16"]
+TokenList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1 << 17)]
+
+
+class LoadRequest(Request):
+    op: Literal["load"] = "load"
+    model_id: ModelId
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    dtype: DType | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    max_context: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+
+
+class StepRequest(Request):
+    """One forward step. `offset` = tokens already in the model's KV cache; 0 starts a new sequence."""
+
+    op: Literal["step"] = "step"
+    model_id: ModelId
+    tokens: TokenList
+    offset: Annotated[int, Field(ge=0)]
+    sampling: dict[str, Any] | None = None  # SamplingParams fields
+    sample: bool = True  # False for prefill chunks before the last: no token, no RNG draw
+    return_logits: bool = False  # full last-position logits (tests)
+
+
+class ClearKVCacheRequest(Request):
+    op: Literal["clear_kv_cache"] = "clear_kv_cache"
+    model_id: ModelId
+
+
+class UnloadRequest(Request):
+    op: Literal["unload"] = "unload"
+    model_id: ModelId
+
+
 # ---- replies --------------------------------------------------------------------------
 
 
@@ -78,6 +112,7 @@ class Pong(Reply):
     world_size: Annotated[int, Field(ge=1)]
     device: str
     comm_id: str | None = None
+    rss_bytes: int = 0
 
 
 class InitOk(Reply):
@@ -93,6 +128,43 @@ class SanityResult(Reply):
 
 class Bye(Reply):
     type: Literal["bye"] = "bye"
+
+
+class Loaded(Reply):
+    type: Literal["loaded"] = "loaded"
+    model_id: str
+    model_type: str
+    dtype: str
+    vocab_size: int
+    max_context: int
+    num_layers: int
+    sharded_bytes: int
+    replicated_bytes: int
+    kv_cache_bytes: int
+    rss_bytes: int
+    load_s: float
+
+
+class StepResult(Reply):
+    type: Literal["step_result"] = "step_result"
+    model_id: str
+    cache_len: int
+    compute_s: float = 0.0  # this rank's forward time
+    token: int | None = None  # rank 0 only
+    token_logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    logits: list[float] | None = None
+
+
+class Cleared(Reply):
+    type: Literal["cleared"] = "cleared"
+    model_id: str
+
+
+class Unloaded(Reply):
+    type: Literal["unloaded"] = "unloaded"
+    model_id: str
+    rss_bytes: int
 
 
 class ErrorReply(Reply):
@@ -115,9 +187,12 @@ def register_reply(cls: type[Reply]) -> type[Reply]:
     return cls
 
 
-for _cls in (PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest):
+for _cls in (
+    PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest,
+    LoadRequest, StepRequest, ClearKVCacheRequest, UnloadRequest,
+):
     register_request(_cls)
-for _cls in (Pong, InitOk, SanityResult, Bye, ErrorReply):
+for _cls in (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, Cleared, Unloaded, ErrorReply):
     register_reply(_cls)
 
 
@@ -158,7 +233,7 @@ def parse_reply(data: Any) -> Reply:
     if not isinstance(data, dict) or data.get("type") not in REPLIES:
         raise ProtocolError(ErrorKind.INTERNAL, f"malformed reply: {data!r:.200}")
     try:
-        return REPLIES[data["type"]].model_validate(data)
+        return REPLIES[data["type"]].model_validate(data, strict=False)  # JSON has no tuples
     except ValidationError as exc:
         raise ProtocolError(ErrorKind.INTERNAL, f"malformed {data['type']} reply: {_describe(exc)}") from None
 

@@ -29,7 +29,9 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     except redis.RedisError as exc:
         print(f"celerytp worker: cannot reach Redis at {config.broker_url}: {exc}", file=sys.stderr)
         return 2
-    from celerytp.worker.state import RankState  # imports torch: only rank workers pay for it
+    # Imports torch and the models: only rank workers pay for them. model_ops registers its handlers.
+    from celerytp.worker import model_ops  # noqa: F401
+    from celerytp.worker.state import RankState
 
     set_rank_state(RankState(config))
     app = make_app(config.broker_url, config.group, config.world_size)

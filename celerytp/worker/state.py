@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import redis
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ class RankError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
 
 
 def resolve_device(spec: str, rank: int) -> torch.device:
@@ -174,7 +179,10 @@ class RankState:
 @handles("ping", collective=False)
 def ping(state: RankState, request: p.PingRequest) -> p.Pong:
     device = str(state.device) if state.device is not None else f"unavailable:{state.config.device}"
-    return p.Pong(rank=state.rank, world_size=state.world_size, device=device, comm_id=state.comm_id)
+    return p.Pong(
+        rank=state.rank, world_size=state.world_size, device=device, comm_id=state.comm_id,
+        rss_bytes=rss_bytes(),
+    )
 
 
 @handles("init", collective=False)

@@ -1,0 +1,45 @@
+"""A progress bar for model loads, fed by the per-rank progress the workers put in Redis."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import redis
+from tqdm import tqdm
+
+from celerytp.keys import load_progress_key
+
+
+class LoadProgress:
+    """Shows the slowest rank's tensors-loaded count while a load op runs (no-op if disabled)."""
+
+    def __init__(self, client: redis.Redis, group: str, model_id: str, world_size: int, enabled: bool = True):
+        self._redis = client
+        self._key = load_progress_key(group, model_id)
+        self._world_size = world_size
+        self._enabled = enabled
+        self._bar: tqdm | None = None
+        self._last = 0.0
+
+    def __enter__(self) -> LoadProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def update(self) -> None:
+        now = time.monotonic()
+        if not self._enabled or now - self._last < 0.25:
+            return
+        self._last = now
+        ranks = [json.loads(v) for v in self._redis.hvals(self._key)]
+        if not ranks:
+            return
+        slowest = min(ranks, key=lambda r: r["done"] / max(r["total"], 1))
+        if self._bar is None:
+            self._bar = tqdm(total=slowest["total"], desc="loading", unit="tensor", file=sys.stderr, leave=False)
+        self._bar.n = slowest["done"]
+        self._bar.set_postfix_str(f"{len(ranks)}/{self._world_size} ranks reporting", refresh=True)

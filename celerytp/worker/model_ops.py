@@ -1,0 +1,208 @@
+"""Model ops on a rank: load (all ranks or none), step, clear the KV cache, unload."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from celerytp import protocol as p
+from celerytp.keys import load_progress_key
+from celerytp.loading import default_model_path
+from celerytp.models import CausalLM, LoadError, load_model
+from celerytp.protocol import ErrorKind
+from celerytp.sampling import SamplingParams, make_generator, sample_next, token_logprob, top_logprobs
+from celerytp.worker.state import RankError, RankState, handles, rss_bytes
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model shard and what its sequence needs between steps."""
+
+    model: CausalLM
+    path: str
+    history: list[int] = field(default_factory=list)  # tokens in the KV cache (repetition penalty)
+    generator: torch.Generator | None = None
+    generator_seed: int | None = None
+
+
+def release_memory() -> None:
+    """Return freed heap to the OS, so an unload shows in the RSS."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+def confine(path: str, roots: tuple[str, ...]) -> Path:
+    """Resolve `path`; it must lie under a configured model root or be the default model."""
+    real = Path(path).expanduser().resolve()
+    allowed = [Path(r).expanduser().resolve() for r in roots]
+    try:
+        allowed.append(Path(default_model_path()).resolve().parent)
+    except LoadError:
+        pass
+    if not any(real == root or root in real.parents for root in allowed):
+        raise RankError(ErrorKind.BAD_REQUEST, f"field 'path': {path} is outside the model roots {[str(r) for r in allowed]}")
+    return real
+
+
+class ProgressReporter:
+    """Publishes this rank's load progress to Redis (throttled) and the log."""
+
+    def __init__(self, state: RankState, model_id: str):
+        self._redis = state.redis
+        self._key = load_progress_key(state.config.group, model_id)
+        self._rank = str(state.rank)
+        self._last = 0.0
+        self._logged_tenth = -1
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        now = time.monotonic()
+        if done == total or now - self._last > 0.2:
+            self._last = now
+            self._redis.hset(self._key, self._rank, json.dumps({"done": done, "total": total, "name": name}))
+            self._redis.expire(self._key, 3600)
+        tenth = done * 10 // max(total, 1)
+        if tenth != self._logged_tenth:
+            self._logged_tenth = tenth
+            log.info("loading: %d/%d tensors (%s)", done, total, name)
+
+
+def _model(state: RankState, model_id: str) -> LoadedModel:
+    entry = state.models.get(model_id)
+    if entry is None:
+        raise RankError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded (loaded: {sorted(state.models)})")
+    return entry
+
+
+@handles("load", collective=True)
+def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
+    if request.model_id in state.models:
+        raise RankError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
+    dtype_name = request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
+    started = time.monotonic()
+    model, failure = None, None
+    try:
+        path = confine(request.path, state.config.model_roots)
+        model = load_model(
+            path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
+            max_context=request.max_context, progress=ProgressReporter(state, request.model_id),
+        )
+    except RankError as exc:
+        failure = exc
+    except LoadError as exc:
+        failure = RankError(ErrorKind(exc.kind), exc.message)
+    except Exception as exc:  # a broken file must not take the worker down
+        log.exception("load of %s failed", request.model_id)
+        failure = RankError(ErrorKind.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+    # All ranks or none: every rank learns whether every rank succeeded, then commits or rolls back.
+    ok = torch.tensor([0 if failure else 1], dtype=torch.int64, device=state.device)
+    state.collective(lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN))
+    state.redis.delete(load_progress_key(state.config.group, request.model_id))
+    if failure is None and int(ok.item()) == 0:
+        failure = RankError(ErrorKind.LOAD_FAILED, "rolled back: the load failed on another rank")
+    if failure is not None:
+        del model
+        release_memory()
+        raise failure
+    state.models[request.model_id] = LoadedModel(model, str(path))
+    release_memory()  # dequantization temporaries: give the heap back before reporting RSS
+    memory = model.memory_report()
+    config = model.config
+    return p.Loaded(
+        rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
+        vocab_size=config.vocab_size, max_context=model.max_context, num_layers=config.num_layers,
+        sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],
+        kv_cache_bytes=memory["kv_cache_bytes"], rss_bytes=rss_bytes(), load_s=round(time.monotonic() - started, 3),
+    )
+
+
+def _check_step(entry: LoadedModel, request: p.StepRequest) -> SamplingParams:
+    """Refuse what would corrupt the cache; the same checks give the same answer on every rank."""
+    model = entry.model
+    if request.offset not in (0, model.cache_len):
+        raise RankError(
+            ErrorKind.BAD_REQUEST,
+            f"field 'offset': {request.offset} does not match the {model.cache_len} tokens in the KV cache (0 starts over)",
+        )
+    end = request.offset + len(request.tokens)
+    if end > model.max_context:
+        raise RankError(ErrorKind.BAD_REQUEST, f"field 'tokens': {end} tokens exceed the context limit {model.max_context}")
+    vocab = model.config.vocab_size
+    bad = [t for t in request.tokens if t >= vocab]
+    if bad:
+        raise RankError(ErrorKind.BAD_REQUEST, f"field 'tokens': ids {bad[:5]} are outside the vocabulary of {vocab}")
+    try:
+        return SamplingParams.from_dict(request.sampling or {})
+    except (TypeError, ValueError) as exc:
+        raise RankError(ErrorKind.BAD_REQUEST, f"field 'sampling': {exc}") from None
+
+
+@handles("step", collective=True)
+def step(state: RankState, request: p.StepRequest) -> p.StepResult:
+    entry = _model(state, request.model_id)
+    params = _check_step(entry, request)
+    model = entry.model
+    if request.offset == 0:
+        model.clear_cache()
+        entry.history.clear()
+        entry.generator, entry.generator_seed = None, None
+    tokens = torch.tensor(request.tokens, dtype=torch.long, device=state.device)
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            logits = model.forward_tokens(tokens, request.offset, last_only=True)  # (1, vocab)
+    except RankError:
+        raise
+    except Exception as exc:
+        log.exception("forward failed")
+        raise RankError(ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+    entry.history.extend(request.tokens)
+    reply = p.StepResult(
+        rank=state.rank, model_id=request.model_id, cache_len=model.cache_len, compute_s=time.perf_counter() - started
+    )
+    if state.rank != 0 or not request.sample:
+        return reply
+    last = logits[-1].float()  # (vocab,)
+    if entry.generator is None or entry.generator_seed != params.seed:
+        entry.generator, entry.generator_seed = make_generator(params.seed, last.device), params.seed
+    token = sample_next(last, params, entry.generator, entry.history)
+    return reply.model_copy(
+        update={
+            "token": token,
+            "token_logprob": token_logprob(last, token),
+            "top_logprobs": top_logprobs(last, params.logprobs) if params.logprobs else None,
+            "logits": last.cpu().tolist() if request.return_logits else None,
+        }
+    )
+
+
+@handles("clear_kv_cache", collective=False)
+def clear_kv_cache(state: RankState, request: p.ClearKVCacheRequest) -> p.Cleared:
+    entry = _model(state, request.model_id)
+    entry.model.clear_cache()
+    entry.history.clear()
+    return p.Cleared(rank=state.rank, model_id=request.model_id)
+
+
+@handles("unload", collective=False)
+def unload(state: RankState, request: p.UnloadRequest) -> p.Unloaded:
+    _model(state, request.model_id)
+    del state.models[request.model_id]
+    release_memory()
+    return p.Unloaded(rank=state.rank, model_id=request.model_id, rss_bytes=rss_bytes())

@@ -1,0 +1,182 @@
+"""Model ops through real Celery rank workers: load all-or-none, step parity, bad input, unload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from celerytp import CeleryTPError
+from celerytp.cluster import LocalCluster
+from celerytp.protocol import ErrorKind
+from model_fixtures import TINY_CONFIGS, hf_greedy, make_hf_model, make_prompt
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """An uneven-split llama (3 KV groups over 2 ranks) saved as a sharded index checkpoint."""
+    model_type, kwargs = TINY_CONFIGS["llama_gqa_bias"]
+    model = make_hf_model(model_type, kwargs, seed=7)
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama):
+    _, path = tiny_llama
+    with LocalCluster(world_size=2, group="models", model_roots=[str(path.parent)]) as cluster:
+        yield cluster
+
+
+def greedy_through_steps(leader, model_id, prompt, steps=STEPS):
+    reply = leader.step(model_id, prompt, 0, return_logits=True)
+    prompt_logits = torch.tensor(reply.logits)
+    tokens = [reply.token]
+    for _ in range(steps - 1):
+        reply = leader.step(model_id, [tokens[-1]], len(prompt) + len(tokens) - 1)
+        tokens.append(reply.token)
+    return prompt_logits, tokens
+
+
+def test_step_parity_with_transformers_at_tp2_uneven(cluster, tiny_llama):
+    hf, path = tiny_llama
+    leader = cluster.leader
+    replies = leader.load("tiny", path)
+    assert [r.rank for r in replies] == [0, 1]
+    assert all(r.model_type == "llama" and r.dtype == "float32" for r in replies)
+    # 3 KV groups over 2 ranks: rank 0 holds two groups' weights, rank 1 one.
+    assert replies[0].sharded_bytes > replies[1].sharded_bytes
+    assert leader.models()["tiny"]["path"] == str(path)
+
+    prompt = make_prompt(hf.config.vocab_size)
+    ref = hf_greedy(hf, prompt, steps=STEPS)
+    logits, tokens = greedy_through_steps(leader, "tiny", prompt)
+    # float32 on both sides; atol covers summation order differences of the sharded matmuls.
+    torch.testing.assert_close(logits, ref.prompt_logits[-1], atol=1e-4, rtol=1e-4)
+    assert ref.tokens == tokens  # the first comes from the prompt logits
+
+    # offset 0 starts a new sequence: the same prompt gives the same tokens again.
+    assert greedy_through_steps(leader, "tiny", prompt)[1] == tokens
+    leader.clear_kv_cache("tiny")
+    with pytest.raises(CeleryTPError) as info:
+        leader.step("tiny", [1], 5)
+    assert info.value.kinds == {ErrorKind.BAD_REQUEST}
+
+
+def test_step_bad_input_is_refused_and_cache_survives(cluster, tiny_llama):
+    hf, path = tiny_llama
+    leader = cluster.leader
+    if "tiny" not in leader.models():
+        leader.load("tiny", path)
+    prompt = make_prompt(hf.config.vocab_size)
+    first = leader.step("tiny", prompt, 0)
+    vocab, limit = hf.config.vocab_size, leader.models()["tiny"]["max_context"]
+    cases = [
+        ({"tokens": [1], "offset": len(prompt) + 3}, "offset"),
+        ({"tokens": [vocab], "offset": len(prompt)}, "outside the vocabulary"),
+        ({"tokens": [1] * (limit + 1 - len(prompt)), "offset": len(prompt)}, "context limit"),
+        ({"tokens": [], "offset": len(prompt)}, "tokens"),
+        ({"tokens": [-1], "offset": len(prompt)}, "tokens"),
+        ({"tokens": [1], "offset": len(prompt), "sampling": {"temperature": -1}}, "temperature"),
+        ({"tokens": [1], "offset": len(prompt), "sampling": {"warp": 9}}, "warp"),
+    ]
+    for fields, needle in cases:
+        with pytest.raises(CeleryTPError) as info:
+            leader.call("step", {"model_id": "tiny", **fields})
+        assert info.value.kinds == {ErrorKind.BAD_REQUEST}, info.value
+        assert [f.rank for f in info.value.failures] == [0, 1]
+        assert needle in str(info.value)
+    # Nothing was corrupted: the sequence continues exactly as it would have.
+    second = leader.step("tiny", [first.token], len(prompt))
+    again = leader.step("tiny", prompt, 0)
+    assert again.token == first.token
+    assert leader.step("tiny", [first.token], len(prompt)).token == second.token
+
+    with pytest.raises(CeleryTPError) as info:
+        leader.step("nope", [1], 0)
+    assert info.value.kinds == {ErrorKind.MODEL_NOT_LOADED}
+    with pytest.raises(CeleryTPError) as info:
+        leader.load("tiny", path)
+    assert info.value.kinds == {ErrorKind.ALREADY_LOADED}
+
+
+def test_bad_loads_are_typed_and_load_nothing(cluster, tiny_llama, tmp_path):
+    _, path = tiny_llama
+    leader = cluster.leader
+    root = path.parent
+    gpt2 = root / "gpt2-like"
+    gpt2.mkdir(exist_ok=True)
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    save_file({"wte.weight": torch.zeros(10, 4)}, gpt2 / "model.safetensors")
+    junk = root / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\0" * 64)
+    cases = [
+        (gpt2, ErrorKind.UNSUPPORTED_ARCH, "gpt2"),
+        (root / "missing", ErrorKind.UNSUPPORTED_ARCH, "no such path"),
+        (junk, ErrorKind.LOAD_FAILED, ""),
+        (tmp_path, ErrorKind.BAD_REQUEST, "outside the model roots"),
+        (root / ".." / "..", ErrorKind.BAD_REQUEST, "outside the model roots"),
+    ]
+    for bad_path, kind, needle in cases:
+        with pytest.raises(CeleryTPError) as info:
+            leader.load("bad", bad_path)
+        assert info.value.kinds == {kind}, info.value
+        assert needle in str(info.value)
+    with pytest.raises(CeleryTPError) as info:
+        leader.load("bad", path, max_context=10**6)
+    assert info.value.kinds == {ErrorKind.LOAD_FAILED} and "max_position_embeddings" in str(info.value)
+    assert "bad" not in leader.models()
+    with pytest.raises(CeleryTPError) as info:
+        leader.step("bad", [1], 0)
+    assert info.value.kinds == {ErrorKind.MODEL_NOT_LOADED}
+
+
+def test_load_failing_on_one_rank_is_rolled_back_everywhere(cluster, tiny_llama):
+    _, path = tiny_llama
+    leader = cluster.leader
+    # Rank 1 comes back without the model root: only its load fails.
+    cluster.restart_worker(1, model_roots=[])
+    leader.init()
+    try:
+        with pytest.raises(CeleryTPError) as info:
+            leader.load("half", path)
+        by_rank = {f.rank: f for f in info.value.failures}
+        assert by_rank[1].kind is ErrorKind.BAD_REQUEST
+        assert by_rank[0].kind is ErrorKind.LOAD_FAILED and "rolled back" in by_rank[0].message
+        with pytest.raises(CeleryTPError) as info:
+            leader.step("half", [1], 0)
+        assert info.value.kinds == {ErrorKind.MODEL_NOT_LOADED}
+        assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+    finally:
+        cluster.restart_worker(1)
+        leader.init()
+        leader.redis.delete(f"celerytp:{cluster.group}:models")
+
+
+def test_unload_frees_memory(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m", safe_serialization=True)
+    with LocalCluster(world_size=2, group="unload", model_roots=[str(tmp_path)]) as cluster:
+        leader = cluster.leader
+        loaded = leader.load("m", tmp_path / "m")
+        weights = [r.sharded_bytes + r.replicated_bytes for r in loaded]
+        assert min(weights) > 20e6
+        freed = leader.unload("m")
+        for load, unload, size in zip(loaded, freed, weights):
+            # RSS after load vs after unload: the shard's memory really went back to the OS.
+            assert load.rss_bytes - unload.rss_bytes > 0.8 * size, (load.rss_bytes, unload.rss_bytes, size)
+        assert "m" not in leader.models()
+        with pytest.raises(CeleryTPError) as info:
+            leader.unload("m")
+        assert info.value.kinds == {ErrorKind.MODEL_NOT_LOADED}
