@@ -99,10 +99,8 @@ class Leader:
         timeout: float = 1800.0,
     ) -> list[p.Loaded]:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF."""
-        if quant is not None:
-            raise CeleryTPError("load", [RankFailure(None, ErrorKind.BAD_REQUEST, "quantized shards are not supported yet")])
         path = os.path.abspath(path if path is not None else default_model_path())
-        fields = {"model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context}
+        fields = {"model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context, "quant": quant}
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
             replies = self.call("load", fields, timeout=timeout, on_wait=bar.update)
         first = replies[0]

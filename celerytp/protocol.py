@@ -75,6 +75,7 @@ class LoadRequest(Request):
     path: Annotated[str, Field(min_length=1, max_length=4096)]
     dtype: DType | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_context: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    quant: Annotated[str, Field(min_length=1, max_length=16)] | None = None  # ggml type name; None: keep the file's
 
 
 class StepRequest(Request):
@@ -135,6 +136,7 @@ class Loaded(Reply):
     model_id: str
     model_type: str
     dtype: str
+    quant: str | None = None
     vocab_size: int
     max_context: int
     num_layers: int

@@ -102,6 +102,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         model = load_model(
             path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
             max_context=request.max_context, progress=ProgressReporter(state, request.model_id),
+            **({"quant": request.quant} if request.quant is not None else {}),
         )
     except RankError as exc:
         failure = exc
