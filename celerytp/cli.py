@@ -73,13 +73,20 @@ def _generate(args: argparse.Namespace) -> int:
             if record is not None:
                 leader.unload(model_id)
             leader.load(model_id, path, progress=not args.json)
-        result = leader.generate(
-            model_id, **request, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        )
+        options = dict(request, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        if args.stream:
+            stream = leader.stream(model_id, **options)
+            for delta in stream:
+                print(delta, end="", flush=True)
+            print()
+            result = stream.result
+        else:
+            result = leader.generate(model_id, mode=args.mode, **options)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        print(result.text)
+        if not args.stream:
+            print(result.text)
         print(
             f"[{result.completion_tokens} tokens, {result.finish_reason}; time to first token "
             f"{result.ttft_s * 1000:.0f} ms, {result.tokens_per_s:.1f} tokens/s, tp={args.tp}]",
@@ -115,7 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's config)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    output = gen.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--stream", action="store_true", help="print tokens as they come")
+    gen.add_argument("--mode", choices=["fused", "step"], default="fused", help="one chord per request, or per token")
     add_leader_args(gen)
     gen.set_defaults(func=_generate)
     return parser

@@ -1,13 +1,23 @@
-"""Generation driven by the leader: tokenize, chunked prefill, one step chord per token, stop."""
+"""Generation from the leader's side: prepare requests, run them fused or step by step, stream.
+
+Fused mode (the default) sends the request to the ranks as part of one `generate` chord per
+batch; step mode drives one `step` chord per token. Both sample with the same functions in
+the same order, so greedy and seeded outputs are identical.
+"""
 
 from __future__ import annotations
 
 import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from celerytp.protocol import ErrorKind
+from celerytp.keys import stream_key
+from celerytp.protocol import ErrorKind, RowResult
 from celerytp.sampling import SamplingParams
+from celerytp.stopping import StopChecker, cut_at_stop
 from celerytp.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -15,6 +25,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 256
 PREFILL_CHUNK = 512
+MODES = ("fused", "step")
 
 
 @dataclass
@@ -23,13 +34,13 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     prompt_tokens: int
+    request_id: str = ""
     ttft_s: float = 0.0  # request start to the first generated token
-    prefill_s: float = 0.0
     decode_s: float = 0.0
     total_s: float = 0.0
-    mode: str = "step"
+    mode: str = "fused"
 
     @property
     def completion_tokens(self) -> int:
@@ -46,32 +57,15 @@ class GenerationResult:
         return out
 
 
-class StopChecker:
-    """Decides when a completion ends: EOS, a stop string, max_tokens or the context limit."""
+@dataclass
+class Prepared:
+    """A request ready to run: its wire spec plus what the leader needs to finish it."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], max_tokens: int, room: int):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.max_tokens = min(max_tokens, room)
-        self.text = ""
-
-    def after(self, token_ids: list[int], token: int) -> str | None:
-        """Record `token`; return the finish reason if the completion ends here."""
-        if token in self.tokenizer.eos_token_ids:
-            return "stop"
-        token_ids.append(token)
-        if self.stop:
-            self.text = self.tokenizer.decode(token_ids)
-            cut = min((i for s in self.stop if (i := self.text.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                self.text = self.text[:cut]
-                return "stop"
-        if len(token_ids) >= self.max_tokens:
-            return "length"
-        return None
-
-    def final_text(self, token_ids: list[int]) -> str:
-        return self.text if self.stop else self.tokenizer.decode(token_ids)
+    tokenizer: Tokenizer
+    spec: dict[str, Any]  # a protocol GenSpec
+    params: SamplingParams
+    stops: list[str]
+    started: float
 
 
 def _error(kind: ErrorKind, message: str) -> Exception:
@@ -89,13 +83,7 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | None, messages: list[dict] | 
     return ids
 
 
-def sampling_params(tokenizer: Tokenizer, **given: Any) -> SamplingParams:
-    """The checkpoint's generation_config defaults, overridden by what the caller gave."""
-    chosen = {**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}}
-    return SamplingParams.from_dict(chosen)
-
-
-def generate(
+def prepare(
     leader: Leader,
     model_id: str,
     prompt: str | None = None,
@@ -107,12 +95,11 @@ def generate(
     repetition_penalty: float | None = None,
     seed: int | None = None,
     stop: list[str] | str | None = None,
-    mode: str = "step",
-    prefill_chunk: int = PREFILL_CHUNK,
-) -> GenerationResult:
-    """Generate from `prompt` (raw text) or `messages` (chat, template applied) on a loaded model."""
-    if mode != "step":
-        raise ValueError(f"mode must be 'step', got {mode!r}")
+    request_id: str | None = None,
+    stream: bool = False,
+) -> Prepared:
+    """Tokenize and check a request on the leader, so the ranks rarely see a bad one."""
+    started = time.perf_counter()
     record = leader.models().get(model_id)
     if record is None:
         raise _error(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded")
@@ -120,29 +107,111 @@ def generate(
     ids = prompt_ids(tokenizer, prompt, messages)
     if len(ids) > record["max_context"]:
         raise _error(ErrorKind.BAD_REQUEST, f"the prompt's {len(ids)} tokens exceed the context limit {record['max_context']}")
-    params = sampling_params(
-        tokenizer, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, seed=seed
-    )
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty, "seed": seed}
+    params = SamplingParams.from_dict({**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    checker = StopChecker(tokenizer, stops, max_tokens, room=record["max_context"] - len(ids) + 1)
+    stops = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
+    spec = {
+        "request_id": request_id or uuid.uuid4().hex, "prompt": ids, "max_tokens": max_tokens,
+        "sampling": params.to_dict(), "stop": stops, "eos_token_ids": sorted(tokenizer.eos_token_ids), "stream": stream,
+    }
+    return Prepared(tokenizer, spec, params, stops, started)
 
+
+def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
+    text, _ = cut_at_stop(prepared.tokenizer.decode(row.token_ids), prepared.stops)
+    return GenerationResult(
+        text=text, token_ids=row.token_ids, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
+        request_id=row.request_id, ttft_s=row.ttft_s, decode_s=row.decode_s,
+        total_s=time.perf_counter() - prepared.started, mode=mode,
+    )
+
+
+def run_steps(leader: Leader, model_id: str, prepared: Prepared, max_context: int) -> RowResult:
+    """Step mode: chunked prefill, then one step chord per token."""
+    spec, ids = prepared.spec, prepared.spec["prompt"]
+    room = max_context - len(ids) + 1
+    checker = StopChecker(set(spec["eos_token_ids"]), min(spec["max_tokens"], room), prepared.stops, prepared.tokenizer.decode)
     start = time.perf_counter()
     offset = 0
-    for i in range(0, len(ids) - prefill_chunk, prefill_chunk):  # all chunks but the last: no sample
-        leader.step(model_id, ids[i : i + prefill_chunk], offset, sample=False)
-        offset += len(ids[i : i + prefill_chunk])
-    reply = leader.step(model_id, ids[offset:], offset, params)
+    for i in range(0, len(ids) - PREFILL_CHUNK, PREFILL_CHUNK):  # all chunks but the last: no sample
+        leader.step(model_id, ids[i : i + PREFILL_CHUNK], offset, sample=False)
+        offset += PREFILL_CHUNK
+    reply = leader.step(model_id, ids[offset:], offset, prepared.params)
     offset = len(ids)
     first = time.perf_counter()
-    token_ids: list[int] = []
-    while (finish := checker.after(token_ids, reply.token)) is None:
-        reply = leader.step(model_id, [reply.token], offset, params)
+    while (reason := checker.after(reply.token)) is None:
+        reply = leader.step(model_id, [reply.token], offset, prepared.params)
         offset += 1
-    end = time.perf_counter()
-    return GenerationResult(
-        text=checker.final_text(token_ids), token_ids=token_ids, finish_reason=finish, prompt_tokens=len(ids),
-        ttft_s=first - start, prefill_s=first - start, decode_s=end - first, total_s=end - start,
+    return RowResult(
+        request_id=spec["request_id"], token_ids=checker.token_ids, finish_reason=reason,
+        matched_stop=checker.matched, prompt_tokens=len(ids), ttft_s=first - start, decode_s=time.perf_counter() - first,
     )
+
+
+def generate(leader: Leader, model_id: str, mode: str = "fused", **request: Any) -> GenerationResult:
+    """Generate one completion; `request` holds prepare()'s options."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    prepared = prepare(leader, model_id, **request)
+    if mode == "step":
+        row = run_steps(leader, model_id, prepared, leader.models()[model_id]["max_context"])
+    else:
+        row = leader.submit(model_id, prepared.spec).result()
+    return finish(prepared, row, mode)
+
+
+class TokenStream:
+    """Text deltas of one fused request as rank 0 publishes its tokens; `.result` at the end.
+
+    UTF-8 sequences split across tokens are held back until complete, and so is text that
+    could be the start of a stop string.
+    """
+
+    def __init__(self, leader: Leader, prepared: Prepared, future: Future):
+        self.request_id = prepared.spec["request_id"]
+        self.result: GenerationResult | None = None
+        self.ttft_s: float | None = None
+        self._leader = leader
+        self._prepared = prepared
+        self._future = future
+
+    def __iter__(self) -> Iterator[str]:
+        client, key = self._leader.redis, stream_key(self._leader.group, self.request_id)
+        last, ids, sent = "0-0", [], ""
+        done = False
+        while not done:
+            reply = client.xread({key: last}, count=256, block=50)
+            if not reply:
+                if self._future.done() and not client.exists(key):
+                    break  # the op ended without publishing (it failed): result() raises below
+                continue
+            for entry_id, fields in reply[0][1]:
+                last = entry_id
+                if b"t" in fields:
+                    ids.append(int(fields[b"t"]))
+                    self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
+                done = done or b"done" in fields
+            delta = self._safe_text(ids, final=done)[len(sent):]
+            if delta:
+                sent += delta
+                yield delta
+        row = self._future.result()
+        client.delete(key)
+        self.result = finish(self._prepared, row, "fused")
+        rest = self.result.text[len(sent):]
+        if rest:
+            yield rest
+
+    def _safe_text(self, ids: list[int], final: bool) -> str:
+        text, _ = cut_at_stop(self._prepared.tokenizer.decode(ids), self._prepared.stops)
+        if final:
+            return text
+        text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to U+FFFD
+        held = max(
+            (n for stop in self._prepared.stops for n in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:n])),
+            default=0,
+        )
+        return text[: len(text) - held]

@@ -25,3 +25,13 @@ def models_key(group: str) -> str:
 def load_progress_key(group: str, model_id: str) -> str:
     """Hash: rank -> JSON {done, total, name} of that rank's load in progress."""
     return f"celerytp:{group}:progress:{model_id}"
+
+
+def stream_key(group: str, request_id: str) -> str:
+    """Redis Stream of one request's tokens (rank 0 writes, the leader reads)."""
+    return f"celerytp:{group}:stream:{request_id}"
+
+
+def cancel_key(group: str, request_id: str) -> str:
+    """Set to cancel a request; rank 0 checks it while decoding."""
+    return f"celerytp:{group}:cancel:{request_id}"

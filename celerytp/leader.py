@@ -7,16 +7,20 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
+from celerytp import generation
 from celerytp import protocol as p
-from celerytp.app import DEFAULT_GROUP, make_app, queue_name
+from celerytp.app import DEFAULT_GROUP, make_app
+from celerytp.batching import Batcher
 from celerytp.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
-from celerytp.keys import models_key, owner_key
+from celerytp.generation import GenerationResult
+from celerytp.keys import cancel_key, models_key, owner_key
 from celerytp.loading import default_model_path
 from celerytp.progress import LoadProgress
 from celerytp.protocol import ErrorKind
@@ -69,6 +73,8 @@ class Leader:
         self.redis = redis.Redis.from_url(broker_url)
         self._local_lock = threading.Lock()
         self._publisher = ChordPublisher(self.app, self.redis, group, world_size, GATHER_TASK)
+        self._batcher: Batcher | None = None
+        self.generate_timeout = 3600.0
 
     # ---- foundation ops ---------------------------------------------------------------
 
@@ -95,17 +101,24 @@ class Leader:
         dtype: str | None = None,
         quant: str | None = None,
         max_context: int | None = None,
+        max_batch: int = 4,
         progress: bool = False,
         timeout: float = 1800.0,
     ) -> list[p.Loaded]:
-        """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF."""
+        """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
+
+        `max_batch` is how many requests one fused batch may hold (KV cache rows).
+        """
         path = os.path.abspath(path if path is not None else default_model_path())
-        fields = {"model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context, "quant": quant}
+        fields = {
+            "model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context,
+            "max_batch": max_batch, "quant": quant,
+        }
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
             replies = self.call("load", fields, timeout=timeout, on_wait=bar.update)
         first = replies[0]
         record = {"path": path, "dtype": first.dtype, "model_type": first.model_type,
-                  "vocab_size": first.vocab_size, "max_context": first.max_context}
+                  "vocab_size": first.vocab_size, "max_context": first.max_context, "max_batch": first.max_batch}
         self.redis.hset(models_key(self.group), model_id, json.dumps(record))
         return replies
 
@@ -140,11 +153,42 @@ class Leader:
         finally:
             self.redis.hdel(models_key(self.group), model_id)
 
-    def generate(self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options):
-        """Generate a completion; see `celerytp.generation.generate` for the options."""
-        from celerytp.generation import generate
+    def generate(
+        self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, mode: str = "fused", **options
+    ) -> GenerationResult:
+        """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
-        return generate(self, model_id, prompt=prompt, messages=messages, **options)
+        Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
+        request_id (to cancel it). Unset sampling options come from generation_config.json.
+        `mode="fused"` runs the whole request (batched with concurrent ones) in one chord;
+        `mode="step"` drives one step chord per token. Both give the same tokens.
+        """
+        return generation.generate(self, model_id, mode, prompt=prompt, messages=messages, **options)
+
+    def stream(
+        self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options
+    ) -> generation.TokenStream:
+        """Like generate (fused), but iterate the returned stream for text deltas as they come.
+
+        `stream.request_id` names the request for `cancel`; `stream.result` is the final
+        GenerationResult once the iteration ends.
+        """
+        prepared = generation.prepare(self, model_id, prompt=prompt, messages=messages, stream=True, **options)
+        return generation.TokenStream(self, prepared, self.submit(model_id, prepared.spec))
+
+    def cancel(self, request_id: str) -> None:
+        """Ask rank 0 to stop a running (or queued) fused request; it ends as "cancelled"."""
+        self.redis.set(cancel_key(self.group, request_id), 1, ex=600)
+
+    def submit(self, model_id: str, spec: dict[str, Any]) -> Future:
+        """Queue one prepared request for the next fused batch; the future gives its RowResult."""
+        if self._batcher is None:
+            self._batcher = Batcher(self._run_batch, lambda m: self.models()[m]["max_batch"])
+        return self._batcher.submit(model_id, spec)
+
+    def _run_batch(self, model_id: str, specs: list[dict[str, Any]]) -> list[p.RowResult]:
+        reply = self.call("generate", {"model_id": model_id, "requests": specs}, timeout=self.generate_timeout)
+        return reply[0].rows
 
     def health(self) -> list[dict | None]:
         """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""

@@ -75,6 +75,7 @@ class LoadRequest(Request):
     path: Annotated[str, Field(min_length=1, max_length=4096)]
     dtype: DType | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_context: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    max_batch: Annotated[int, Field(ge=1, le=256)] = 4  # sequences decoded together (KV cache rows)
     quant: Annotated[str, Field(min_length=1, max_length=16)] | None = None  # ggml type name; None: keep the file's
 
 
@@ -88,6 +89,29 @@ class StepRequest(Request):
     sampling: dict[str, Any] | None = None  # SamplingParams fields
     sample: bool = True  # False for prefill chunks before the last: no token, no RNG draw
     return_logits: bool = False  # full last-position logits (tests)
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class GenSpec(Message):
+    """One request of a fused generation batch (the leader has tokenized it)."""
+
+    request_id: RequestId
+    prompt: TokenList
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)]
+    sampling: dict[str, Any] | None = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=512)]], Field(max_length=16)] = []
+    eos_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
+    stream: bool = False  # rank 0 XADDs each token to celerytp:<group>:stream:<request_id>
+
+
+class GenerateRequest(Request):
+    """Fused generation: every rank runs prefill and decode for the whole batch in lockstep."""
+
+    op: Literal["generate"] = "generate"
+    model_id: ModelId
+    requests: Annotated[list[GenSpec], Field(min_length=1, max_length=256)]
 
 
 class ClearKVCacheRequest(Request):
@@ -139,6 +163,7 @@ class Loaded(Reply):
     quant: str | None = None
     vocab_size: int
     max_context: int
+    max_batch: int
     num_layers: int
     sharded_bytes: int
     replicated_bytes: int
@@ -156,6 +181,25 @@ class StepResult(Reply):
     token_logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     logits: list[float] | None = None
+
+
+class RowResult(BaseModel):
+    """One request's outcome; `token_ids` excludes EOS, `matched_stop` is the stop string hit."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "cancelled"]
+    matched_stop: str | None = None
+    prompt_tokens: int
+    ttft_s: float
+    decode_s: float
+
+
+class GenerateResult(Reply):
+    type: Literal["generate_result"] = "generate_result"
+    model_id: str
+    rows: list[RowResult] = []  # rank 0 only, in request order
+    total_s: float = 0.0
 
 
 class Cleared(Reply):
@@ -191,10 +235,10 @@ def register_reply(cls: type[Reply]) -> type[Reply]:
 
 for _cls in (
     PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest,
-    LoadRequest, StepRequest, ClearKVCacheRequest, UnloadRequest,
+    LoadRequest, StepRequest, GenerateRequest, ClearKVCacheRequest, UnloadRequest,
 ):
     register_request(_cls)
-for _cls in (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, Cleared, Unloaded, ErrorReply):
+for _cls in (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, GenerateResult, Cleared, Unloaded, ErrorReply):
     register_reply(_cls)
 
 

@@ -1,16 +1,58 @@
-"""Preallocated per-layer key/value cache for this rank's KV heads."""
+"""Preallocated per-layer key/value cache for this rank's KV heads, one row per sequence."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-class KVCache(nn.Module):
-    """Keys and values of positions 0..max_context-1.
+@dataclass(frozen=True)
+class CacheSlots:
+    """Where a forward's tokens sit in the cache, and which cached keys each query sees.
 
     Args:
-        batch: batch slots (1 for now; batching will use more).
+        rows: (B,) cache row of each batch row.
+        positions: (B, T) absolute position of each token.
+        length: keys 0..length-1 of each row take part in attention.
+        mask: bool, broadcastable to (B, heads, T, length); None = every key 0..length-1.
+        first_row: set when rows are first_row..first_row+B-1 (views instead of gathers).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+    first_row: int | None
+
+    @classmethod
+    def prefill(cls, row: int, offset: int, count: int, device: torch.device) -> CacheSlots:
+        """`count` tokens of one row at offset..offset+count-1 (causal within the chunk)."""
+        positions = torch.arange(offset, offset + count, device=device)[None]  # (1, T)
+        mask = None
+        if count > 1:  # query i sees cached keys and its own prefix: key j <= offset + i
+            mask = torch.ones(count, offset + count, dtype=torch.bool, device=device).tril(diagonal=offset)
+        rows = torch.tensor([row], device=device)
+        return cls(rows, positions, offset + count, mask, row)
+
+    @classmethod
+    def decode(cls, rows: list[int], positions: list[int], device: torch.device) -> CacheSlots:
+        """One token per row, each at its own position."""
+        pos = torch.tensor(positions, device=device)  # (B,)
+        length = max(positions) + 1
+        mask = None
+        if min(positions) != length - 1:  # ragged rows: hide keys past each row's position
+            mask = (torch.arange(length, device=device)[None] <= pos[:, None])[:, None, None]  # (B, 1, 1, L)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        return cls(torch.tensor(rows, device=device), pos[:, None], length, mask, rows[0] if contiguous else None)
+
+
+class KVCache(nn.Module):
+    """Keys and values of positions 0..max_context-1 for `batch` sequences.
+
+    Args:
+        batch: cache rows (sequences decoded together).
         num_kv_heads: this rank's KV heads.
         max_context: positions preallocated.
         head_dim: per-head size.
@@ -31,12 +73,21 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, offset: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nkv, T, hd) at offset..offset+T-1; return keys/values 0..offset+T-1."""
-        end = offset + k.shape[2]
-        self.k[:, :, offset:end] = k
-        self.v[:, :, offset:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nkv, end, hd)
+    def update(self, slots: CacheSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nkv, T, hd) at `slots`; return each row's keys/values 0..length-1."""
+        T = k.shape[2]
+        if T == 1:
+            pos = slots.positions[:, 0]  # (B,)
+            self.k[slots.rows, :, pos] = k[:, :, 0]  # (B, nkv, hd)
+            self.v[slots.rows, :, pos] = v[:, :, 0]
+        else:  # a prefill chunk: one row, consecutive positions
+            start = int(slots.positions[0, 0])
+            self.k[slots.first_row, :, start : start + T] = k[0]
+            self.v[slots.first_row, :, start : start + T] = v[0]
+        if slots.first_row is not None:
+            rows = slice(slots.first_row, slots.first_row + k.shape[0])
+            return self.k[rows, :, : slots.length], self.v[rows, :, : slots.length]  # (B, nkv, L, hd) views
+        return self.k[slots.rows, :, : slots.length], self.v[slots.rows, :, : slots.length]  # gathered
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.kv_cache import KVCache
+from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.loading.errors import LoadError
 from celerytp.models.config import ModelConfig
@@ -61,39 +61,63 @@ class CausalLM(nn.Module):
         self.options = options
         self.tp = options.tp
         self.max_context = options.max_context
-        self.cache_len = 0
+        self.max_batch = options.max_batch
+        self.cache_lens = [0] * options.max_batch  # tokens cached per row
 
     @property
     def device(self) -> torch.device:
         return self.options.device
 
+    @property
+    def cache_len(self) -> int:
+        """Tokens in row 0's cache (the row step mode uses)."""
+        return self.cache_lens[0]
+
     # ---- forward -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_tokens(self, tokens: torch.Tensor, offset: int, *, last_only: bool = False) -> torch.Tensor:
-        """Run tokens (T,) at positions offset..offset+T-1, appending to the KV cache.
+    def forward_tokens(
+        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int = 0
+    ) -> torch.Tensor:
+        """Run tokens (T,) of cache row `row` at positions offset..offset+T-1, appending to its cache.
 
         Returns float32 logits (T, vocab), or (1, vocab) for the last position when
         `last_only` (saves a (T, vocab) matrix on long prompts).
         """
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
+        if not 0 <= row < self.max_batch:
+            raise ValueError(f"row {row} is outside the {self.max_batch} cache rows")
         n = tokens.numel()
-        if offset != self.cache_len:
-            raise ValueError(f"offset {offset} != cache_len {self.cache_len}")
+        if offset != self.cache_lens[row]:
+            raise ValueError(f"offset {offset} != cache_len {self.cache_lens[row]}")
         if offset + n > self.max_context:
             raise ValueError(f"offset {offset} + {n} tokens exceeds max_context {self.max_context}")
         ids = tokens.to(device=self.device, dtype=torch.long)[None]  # (1, T)
-        h = self.model(ids, offset)  # (1, T, D)
+        h = self.model(ids, CacheSlots.prefill(row, offset, n, self.device))  # (1, T, D)
         if last_only:
             h = h[:, -1:]
         logits = self.lm_head(h)[0].float()  # (T, V)
-        self.cache_len = offset + n
+        self.cache_lens[row] = offset + n
         return logits
 
-    def clear_cache(self) -> None:
-        """Forget all cached positions (the buffers stay allocated and are overwritten)."""
-        self.cache_len = 0
+    @torch.inference_mode()
+    def forward_decode(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """One token per cache row, each at that row's next position: (B,) -> float32 logits (B, vocab)."""
+        positions = [self.cache_lens[r] for r in rows]
+        if max(positions) >= self.max_context:
+            raise ValueError(f"a row is at max_context {self.max_context}")
+        ids = tokens.to(device=self.device, dtype=torch.long)[:, None]  # (B, 1)
+        h = self.model(ids, CacheSlots.decode(rows, positions, self.device))  # (B, 1, D)
+        logits = self.lm_head(h[:, 0]).float()  # (B, V)
+        for r in rows:
+            self.cache_lens[r] += 1
+        return logits
+
+    def clear_cache(self, row: int | None = None) -> None:
+        """Forget the cached positions of one row, or of all (buffers stay allocated)."""
+        for r in range(self.max_batch) if row is None else [row]:
+            self.cache_lens[r] = 0
 
     def kv_caches(self) -> list[KVCache]:
         return [m for m in self.modules() if isinstance(m, KVCache)]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celerytp.layers.kv_cache import KVCache
+from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -50,9 +50,7 @@ class LlamaAttention(nn.Module):
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Qwen3 normalizes each head here
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim)  # (B, T, nh, hd)
@@ -61,9 +59,9 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        k, v = self.kv_cache.update(offset, k, v)  # (B, nkv, offset+T, hd)
+        k, v = self.kv_cache.update(slots, k, v)  # (B, nkv, L, hd)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            q, k, v, attn_mask=slots.mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
         )  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj(y)  # all-reduced over ranks
@@ -98,10 +96,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, offset, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, slots)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -116,16 +112,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.rotary_emb = RotaryEmbedding(config.head_dim, options.max_context, config.rope, device=options.device)
 
-    def forward(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
-        T = ids.shape[1]
-        positions = torch.arange(offset, offset + T, device=ids.device)
+    def forward(self, ids: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         h = self.embed_tokens(ids)  # (B, T, D)
-        cos, sin = self.rotary_emb(positions, h.dtype)  # (T, hd) each
-        mask = None
-        if T > 1:  # query i sees cached keys and its own prefix: key j <= offset + i
-            mask = torch.ones(T, offset + T, dtype=torch.bool, device=ids.device).tril(diagonal=offset)
+        cos, sin = self.rotary_emb(slots.positions, h.dtype)  # (B, T, hd) each
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): broadcast over heads
         for layer in self.layers:
-            h = layer(h, cos, sin, offset, mask)
+            h = layer(h, cos, sin, slots)
         return self.norm(h)
 
 

@@ -27,6 +27,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_context: int | None = None,
+    max_batch: int = 1,
     progress: Progress | None = None,
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file).
@@ -36,7 +37,9 @@ def load_model(
     """
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = ModelConfig.from_hf_config(checkpoint.hf_config)
-        model = build_model(config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context)
+        model = build_model(
+            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch
+        )
         loaded = model.load_weights(checkpoint, progress)
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
@@ -52,6 +55,7 @@ def build_model(
     dtype: torch.dtype,
     device: str | torch.device,
     max_context: int | None,
+    max_batch: int = 1,
 ) -> CausalLM:
     """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks."""
     model_cls = MODEL_REGISTRY.get(config.model_type)
@@ -69,6 +73,7 @@ def build_model(
         dtype=dtype,
         device=torch.device(device),
         max_context=max_context,
+        max_batch=max_batch,
         mlp_block=_mlp_block(checkpoint, config),
     )
     return model_cls(config, options)

@@ -30,7 +30,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         print(f"celerytp worker: cannot reach Redis at {config.broker_url}: {exc}", file=sys.stderr)
         return 2
     # Imports torch and the models: only rank workers pay for them. model_ops registers its handlers.
-    from celerytp.worker import model_ops  # noqa: F401
+    from celerytp.worker import generate_op, model_ops  # noqa: F401
     from celerytp.worker.state import RankState
 
     set_rank_state(RankState(config))

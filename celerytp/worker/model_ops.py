@@ -36,6 +36,12 @@ class LoadedModel:
     generator: torch.Generator | None = None
     generator_seed: int | None = None
 
+    def reset_sequence(self) -> None:
+        """Forget step mode's sequence (the cache rows are about to be reused)."""
+        self.model.clear_cache()
+        self.history.clear()
+        self.generator, self.generator_seed = None, None
+
 
 def release_memory() -> None:
     """Return freed heap to the OS, so an unload shows in the RSS."""
@@ -83,7 +89,7 @@ class ProgressReporter:
             log.info("loading: %d/%d tensors (%s)", done, total, name)
 
 
-def _model(state: RankState, model_id: str) -> LoadedModel:
+def model_entry(state: RankState, model_id: str) -> LoadedModel:
     entry = state.models.get(model_id)
     if entry is None:
         raise RankError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded (loaded: {sorted(state.models)})")
@@ -101,7 +107,8 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         path = confine(request.path, state.config.model_roots)
         model = load_model(
             path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
-            max_context=request.max_context, progress=ProgressReporter(state, request.model_id),
+            max_context=request.max_context, max_batch=request.max_batch,
+            progress=ProgressReporter(state, request.model_id),
             **({"quant": request.quant} if request.quant is not None else {}),
         )
     except RankError as exc:
@@ -127,7 +134,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     config = model.config
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
-        vocab_size=config.vocab_size, max_context=model.max_context, num_layers=config.num_layers,
+        vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch, num_layers=config.num_layers,
         sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],
         kv_cache_bytes=memory["kv_cache_bytes"], rss_bytes=rss_bytes(), load_s=round(time.monotonic() - started, 3),
     )
@@ -156,18 +163,15 @@ def _check_step(entry: LoadedModel, request: p.StepRequest) -> SamplingParams:
 
 @handles("step", collective=True)
 def step(state: RankState, request: p.StepRequest) -> p.StepResult:
-    entry = _model(state, request.model_id)
+    entry = model_entry(state, request.model_id)
     params = _check_step(entry, request)
     model = entry.model
     if request.offset == 0:
-        model.clear_cache()
-        entry.history.clear()
-        entry.generator, entry.generator_seed = None, None
+        entry.reset_sequence()
     tokens = torch.tensor(request.tokens, dtype=torch.long, device=state.device)
     started = time.perf_counter()
     try:
-        with torch.inference_mode():
-            logits = model.forward_tokens(tokens, request.offset, last_only=True)  # (1, vocab)
+        logits = state.collective(lambda: model.forward_tokens(tokens, request.offset, last_only=True))  # (1, vocab)
     except RankError:
         raise
     except Exception as exc:
@@ -195,7 +199,7 @@ def step(state: RankState, request: p.StepRequest) -> p.StepResult:
 
 @handles("clear_kv_cache", collective=False)
 def clear_kv_cache(state: RankState, request: p.ClearKVCacheRequest) -> p.Cleared:
-    entry = _model(state, request.model_id)
+    entry = model_entry(state, request.model_id)
     entry.model.clear_cache()
     entry.history.clear()
     return p.Cleared(rank=state.rank, model_id=request.model_id)
@@ -203,7 +207,7 @@ def clear_kv_cache(state: RankState, request: p.ClearKVCacheRequest) -> p.Cleare
 
 @handles("unload", collective=False)
 def unload(state: RankState, request: p.UnloadRequest) -> p.Unloaded:
-    _model(state, request.model_id)
+    model_entry(state, request.model_id)
     del state.models[request.model_id]
     release_memory()
     return p.Unloaded(rank=state.rank, model_id=request.model_id, rss_bytes=rss_bytes())

@@ -54,6 +54,9 @@ def resolve_device(spec: str, rank: int) -> torch.device:
     return device
 
 
+# Words by which gloo/NCCL failures that are not typed DistError show themselves.
+_COLLECTIVE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer")
+
 Handler = Callable[["RankState", Any], p.Reply]
 HANDLERS: dict[str, tuple[Handler, bool]] = {}
 
@@ -137,11 +140,13 @@ class RankState:
             raise RankError(ErrorKind.NOT_INITIALISED, "no process group: send init first")
 
     def collective(self, fn: Callable[[], Any]) -> Any:
-        """Run a collective; a timeout or a lost peer marks the group broken."""
+        """Run code that enters collectives; a timeout or a lost peer marks the group broken."""
         try:
             return fn()
-        except (RuntimeError, dist.DistError) as exc:
+        except RuntimeError as exc:
             text = str(exc)
+            if not isinstance(exc, dist.DistError) and not any(w in text.lower() for w in _COLLECTIVE_WORDS):
+                raise  # an ordinary failure of the code, not of the group
             self.group_broken = text.splitlines()[0][:200] if text else type(exc).__name__
             kind = ErrorKind.TIMEOUT if "timed out" in text.lower() or "timeout" in text.lower() else ErrorKind.RANK_LOST
             raise RankError(kind, f"collective failed: {self.group_broken}") from exc
