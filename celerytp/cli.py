@@ -72,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
         if record is None or record["path"] != path:
             if record is not None:
                 leader.unload(model_id)
-            leader.load(model_id, path, progress=not args.json)
+            leader.load(model_id, path, quant=args.quant, progress=not args.json)
         options = dict(request, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.stream:
             stream = leader.stream(model_id, **options)
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's config)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
+    gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 or f32 (default: the file's own)")
     output = gen.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--stream", action="store_true", help="print tokens as they come")

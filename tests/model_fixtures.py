@@ -318,6 +318,7 @@ class Job:
     prompt: list[int]
     steps: int = DECODE_STEPS
     max_context: int | None = None
+    quant: str | None = "f32"  # the exact float path: GGUF blocks dequantized on load
 
 
 @dataclass
@@ -330,7 +331,9 @@ class RankResult:
 
 def run_job(job: Job, tp: TPContext) -> RankResult:
     progress: list[tuple[int, int, str]] = []
-    model = load_model(job.path, tp, max_context=job.max_context, progress=lambda d, t, n: progress.append((d, t, n)))
+    model = load_model(
+        job.path, tp, max_context=job.max_context, quant=job.quant, progress=lambda d, t, n: progress.append((d, t, n))
+    )
     greedy = our_greedy(model, job.prompt, job.steps)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return RankResult(greedy, shapes, model.memory_report(), progress)

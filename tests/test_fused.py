@@ -22,7 +22,8 @@ SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1, see
 def leader(request):
     """SmolLM2 at TP 1, 2 (KV groups 2+1) and 3 (one each)."""
     with LocalCluster(world_size=request.param, group=f"fused{request.param}") as cluster:
-        cluster.leader.load("smol", None, max_batch=4)
+        # f32: exact float weights, so batched and single forwards agree to the last bit of argmax
+        cluster.leader.load("smol", None, max_batch=4, quant="f32")
         yield cluster.leader
 
 
@@ -147,3 +148,14 @@ def test_ranks_stay_alive_to_celery_and_leader_while_generating(leader):
     assert len(seen["ping"]) == leader.world_size, seen["ping"]
     assert all(reply == {"ok": "pong"} for reply in seen["ping"].values())
     assert all(h is not None for h in seen["health"])
+
+
+def test_kept_quantized_gguf_runs_fused_and_step_alike(leader):
+    # No quant: the file's Q4_1 blocks stay quantized on every rank (bfloat16 kernels).
+    leader.load("smolq", None, max_batch=1)
+    try:
+        step = leader.generate("smolq", prompt=PROMPT, max_tokens=8, temperature=0, mode="step")
+        fused = leader.generate("smolq", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert fused.token_ids == step.token_ids and len(fused.token_ids) == 8
+    finally:
+        leader.unload("smolq")

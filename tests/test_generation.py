@@ -23,14 +23,14 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def smol_tp2():
     with LocalCluster(world_size=2, group="smol2") as cluster:
-        cluster.leader.load("smol", None)  # None: the default model
+        cluster.leader.load("smol", None, quant="f32")  # None: the default model; f32: exact float
         yield cluster.leader
 
 
 @pytest.fixture(scope="module")
 def smol_tp1():
     with LocalCluster(world_size=1, group="smol1") as cluster:
-        cluster.leader.load("smol", default_model_path())
+        cluster.leader.load("smol", default_model_path(), quant="f32")
         yield cluster.leader
 
 
@@ -86,7 +86,7 @@ def test_generate_bad_input(smol_tp2):
 def test_cli_generate_json_on_the_default_model():
     proc = subprocess.run(
         [sys.executable, "-m", "celerytp", "generate", "--prompt", "What is the capital of France?",
-         "--tp", "2", "--max-tokens", "16", "--temperature", "0", "--json"],
+         "--tp", "2", "--max-tokens", "16", "--temperature", "0", "--quant", "f32", "--json"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,9 +14,11 @@ from torch import nn
 
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import HeadShard
+from celerytp.layers.quantized import QuantizedWeight, check_block_aligned
 from celerytp.layers.weights import check_shape, copy_into, replicated_loader
 from celerytp.loading.checkpoint import TensorSource
 from celerytp.loading.errors import LoadError
+from celerytp.quant.formats import QuantFormat
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ColumnParallelLinear(nn.Module):
         input_size: full input features (every rank sees the whole input).
         shards: shard id -> this rank's rows of that checkpoint matrix, packed in this order.
         bias: whether the checkpoint has a bias for each packed matrix.
+        quant: keep the weight quantized in this format (see layers/quantized.py).
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        quant: QuantFormat | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -67,7 +71,8 @@ class ColumnParallelLinear(nn.Module):
             self.offsets[shard_id] = offset
             offset += shard.size
         self.output_size = offset  # local rows
-        self.weight = _param(offset, input_size, dtype=dtype, device=device, sharded=True)
+        self.qweight = QuantizedWeight(quant, offset, input_size, dtype=dtype, device=device) if quant else None
+        self.weight = _param(*((0,) if quant else (offset, input_size)), dtype=dtype, device=device, sharded=True)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(offset, dtype=dtype, device=device, sharded=True) if bias else None
         if self.bias is not None:
@@ -77,11 +82,15 @@ class ColumnParallelLinear(nn.Module):
         if shard_id not in self.shards:
             raise LoadError("load_failed", f"{source.name}: no shard {shard_id!r} in {list(self.shards)}")
         shard, offset = self.shards[shard_id], self.offsets[shard_id]
-        check_shape(source, (shard.total, self.input_size) if param.dim() == 2 else (shard.total,))
+        check_shape(source, (shard.total, self.input_size) if param is not self.bias else (shard.total,))
+        if self.qweight is not None and param is self.weight:
+            return self.qweight.load(source, offset, rows=(shard.start, shard.start + shard.size))
         value = source.read(rows=(shard.start, shard.start + shard.size))
         copy_into(param.data[offset : offset + shard.size], value, source.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -99,6 +108,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        quant: QuantFormat | None = None,
     ) -> None:
         kv = OutputShard(num_kv_heads * head_dim, heads.kv_start * head_dim, heads.kv_count * head_dim)
         shards = {
@@ -106,7 +116,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             "k_proj": kv,
             "v_proj": kv,
         }
-        super().__init__(hidden_size, shards, bias=bias, dtype=dtype, device=device)
+        super().__init__(hidden_size, shards, bias=bias, dtype=dtype, device=device, quant=quant)
         self.split_sizes = [s.size for s in shards.values()]
 
 
@@ -123,10 +133,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        quant: QuantFormat | None = None,
     ) -> None:
         start, size = local
         shards = {sid: OutputShard(output_size, start, size) for sid in shard_ids}
-        super().__init__(input_size, shards, bias=bias, dtype=dtype, device=device)
+        super().__init__(input_size, shards, bias=bias, dtype=dtype, device=device, quant=quant)
         self.local_size = size
 
 
@@ -138,6 +149,7 @@ class RowParallelLinear(nn.Module):
         output_size: output features (whole on every rank after the all-reduce).
         tp: the rank's tensor-parallel context.
         reduce_results: all-reduce the partial sums in forward (False only for tests).
+        quant: keep the weight quantized; the local columns must be whole blocks.
     """
 
     def __init__(
@@ -151,6 +163,7 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         reduce_results: bool = True,
+        quant: QuantFormat | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -158,7 +171,12 @@ class RowParallelLinear(nn.Module):
         self.start, self.local_size = local
         self.tp = tp
         self.reduce_results = reduce_results
-        self.weight = _param(output_size, self.local_size, dtype=dtype, device=device, sharded=True)
+        self.qweight = None
+        if quant:
+            check_block_aligned(self.start, self.local_size, input_size, quant, "row-parallel linear")
+            self.qweight = QuantizedWeight(quant, output_size, self.local_size, dtype=dtype, device=device)
+        shape = (0,) if quant else (output_size, self.local_size)
+        self.weight = _param(*shape, dtype=dtype, device=device, sharded=True)
         self.weight.weight_loader = self.weight_loader
         # The bias is added once, after the reduction, so it is replicated, not split.
         self.bias = _param(output_size, dtype=dtype, device=device, sharded=False) if bias else None
@@ -167,11 +185,14 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
         check_shape(source, (self.output_size, self.input_size))
+        if self.qweight is not None:
+            return self.qweight.load(source, 0, cols=(self.start, self.start + self.local_size))
         value = source.read(cols=(self.start, self.start + self.local_size))
         copy_into(param.data, value, source.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # partial sum over this rank's input columns
+        # partial sum over this rank's input columns
+        y = F.linear(x, self.weight) if self.qweight is None else self.qweight(x)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:
@@ -184,6 +205,7 @@ class ReplicatedLinear(nn.Module):
 
     Args:
         tied_weight: share this parameter (the embedding) instead of allocating one.
+        quant: keep an untied weight quantized (a tied one stays the embedding).
     """
 
     def __init__(
@@ -194,16 +216,24 @@ class ReplicatedLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tied_weight: nn.Parameter | None = None,
+        quant: QuantFormat | None = None,
     ) -> None:
         super().__init__()
+        self.qweight = None
         if tied_weight is not None:
             self.weight = tied_weight
             return
-        self.weight = _param(output_size, input_size, dtype=dtype, device=device, sharded=False)
-        self.weight.weight_loader = replicated_loader
+        if quant:
+            self.qweight = QuantizedWeight(quant, output_size, input_size, dtype=dtype, device=device, sharded=False)
+        self.weight = _param(*((0,) if quant else (output_size, input_size)), dtype=dtype, device=device, sharded=False)
+        self.weight.weight_loader = replicated_loader if quant is None else self._load_quantized
+
+    def _load_quantized(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
+        check_shape(source, (self.qweight.out_features, self.qweight.in_features))
+        self.qweight.load(source, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight) if self.qweight is None else self.qweight(x)
 
 
 class ReplicatedEmbedding(nn.Module):

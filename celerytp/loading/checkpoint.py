@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from celerytp.loading.errors import LoadError
 
@@ -37,12 +38,13 @@ class TensorSource(ABC):
 
     def read(self, rows: Range | None = None, cols: Range | None = None) -> torch.Tensor:
         """The slice [rows, cols] of this tensor (whole dimension where None)."""
-        if len(self.shape) not in (1, 2) or (len(self.shape) == 1 and cols is not None):
+        # 3-D and up (a conv1d weight): whole trailing dims, rows only.
+        if not self.shape or (len(self.shape) != 2 and cols is not None):
             raise LoadError("load_failed", f"{self.name}: cannot slice a tensor of shape {self.shape}")
         r = self._check_range(rows, 0)
         c = self._check_range(cols, 1) if len(self.shape) == 2 else None
         out = self._read(r, c)
-        expected = (r[1] - r[0],) if c is None else (r[1] - r[0], c[1] - c[0])
+        expected = (r[1] - r[0], *self.shape[1:]) if c is None else (r[1] - r[0], c[1] - c[0])
         if tuple(out.shape) != expected:
             raise LoadError("load_failed", f"{self.name}: read shape {tuple(out.shape)}, expected {expected}")
         self._log.append(ReadRecord(self.name, expected, self.shape))
@@ -61,6 +63,21 @@ class TensorSource(ABC):
     def column_block(self) -> int:
         """Column slices must start and stop on multiples of this (quant block size)."""
         return 1
+
+    @property
+    def ggml_type(self) -> GGMLQuantizationType | None:
+        """How the checkpoint stores this tensor, for GGUF; None for other checkpoints."""
+        return None
+
+    def read_blocks(self, qtype: GGMLQuantizationType, rows: Range | None = None, cols: Range | None = None) -> torch.Tensor:
+        """The slice as raw ggml blocks of `qtype`: uint8 (rows, cols / block * type_size).
+
+        This base version quantizes the float slice; GGUF sources holding `qtype` already
+        return their bytes untouched (no dequantize/requantize round trip).
+        """
+        from celerytp.quant.blocks import quantize_blocks  # the codec imports nothing of loading
+
+        return quantize_blocks(self.read(rows, cols), qtype)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-LoadErrorKind = Literal["load_failed", "unsupported_arch"]
+LoadErrorKind = Literal["bad_request", "load_failed", "unsupported_arch"]
 
 
 class LoadError(Exception):
@@ -13,7 +13,8 @@ class LoadError(Exception):
     Args:
         kind: "unsupported_arch" when the checkpoint is not a model we can run (bad path,
             unknown model_type or GGUF architecture); "load_failed" when it is one but its
-            weights or shapes are wrong, or it cannot be split over this many ranks.
+            weights or shapes are wrong, or it cannot be split over this many ranks;
+            "bad_request" when the request itself is wrong (an unknown or unexecutable quant).
         message: what went wrong, naming the numbers or names involved.
     """
 

@@ -106,7 +106,25 @@ class GGUFSource(TensorSource):
             return 1
         return gguf.GGML_QUANT_SIZES[self._qtype][0]
 
-    def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
+    @property
+    def ggml_type(self) -> gguf.GGMLQuantizationType:
+        return self._qtype
+
+    def read_blocks(
+        self, qtype: gguf.GGMLQuantizationType, rows: Range | None = None, cols: Range | None = None
+    ) -> torch.Tensor:
+        """The slice's own bytes when the file stores `qtype` (kept quantized), else quantized floats."""
+        if qtype != self._qtype or self._qtype in _FLOAT_TYPES or len(self.shape) != 2:
+            return super().read_blocks(qtype, rows, cols)
+        r, c = self._check_range(rows, 0), self._check_range(cols, 1)
+        out = torch.from_numpy(self._raw_slice(r, c))  # (rows, blocks * type_size) uint8
+        if self._head_dim:
+            out = _unpermute_rope_rows(out, self._head_dim)  # whole rows of blocks move
+        self._log.append(ReadRecord(self.name, (r[1] - r[0], c[1] - c[0]), self.shape))
+        return out
+
+    def _raw_slice(self, rows: Range, cols: Range | None) -> np.ndarray:
+        """A copy of just this slice's bytes out of the memory map."""
         raw = self._tensor.data  # memmap: (rows, row_bytes) for quant types, (rows, cols) for floats
         if self._head_dim and (rows[0] % self._head_dim or rows[1] % self._head_dim):
             raise LoadError(
@@ -115,8 +133,11 @@ class GGUFSource(TensorSource):
         part = raw[rows[0] : rows[1]]
         if cols is not None:
             part = part[:, slice(*self._byte_range(cols))]
+        return np.array(part, copy=True)
+
+    def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
         # Copy just this slice out of the memory map, then dequantize it alone.
-        values = gguf.quants.dequantize(np.array(part, copy=True), self._qtype)
+        values = gguf.quants.dequantize(self._raw_slice(rows, cols), self._qtype)
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         if self._head_dim:
             out = _unpermute_rope_rows(out, self._head_dim)

@@ -13,6 +13,7 @@ from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.loading.errors import LoadError
 from celerytp.models.config import ModelConfig
+from celerytp.quant.formats import QuantFormat
 
 Progress = Callable[[int, int, str], None]
 
@@ -29,6 +30,7 @@ class BuildOptions:
         max_batch: batch slots in the KV cache.
         mlp_block: the checkpoint's quant block along down_proj's columns (1 if unquantized),
             so MLP shards start on block boundaries.
+        quant: keep sharded linears (and an untied lm_head) quantized in this format.
     """
 
     tp: TPContext
@@ -37,6 +39,7 @@ class BuildOptions:
     max_context: int
     max_batch: int = 1
     mlp_block: int = 1
+    quant: QuantFormat | None = None
 
 
 class CausalLM(nn.Module):
@@ -125,7 +128,8 @@ class CausalLM(nn.Module):
     def memory_report(self) -> dict[str, int]:
         """Bytes of this rank's split weights, replicated weights and KV cache."""
         sharded = replicated = 0
-        for p in self.parameters():  # parameters() yields a tied weight once
+        quantized = [b for b in self.buffers() if hasattr(b, "tp_sharded")]  # QuantizedWeight storage
+        for p in [*self.parameters(), *quantized]:  # parameters() yields a tied weight once
             if getattr(p, "tp_sharded", False):
                 sharded += p.nbytes
             else:

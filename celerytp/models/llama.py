@@ -35,7 +35,8 @@ class LlamaAttention(nn.Module):
         self.scaling = hd**-0.5
         common = {"dtype": options.dtype, "device": options.device}
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, hd, config.num_heads, config.num_kv_heads, heads, bias=config.attention_bias, **common
+            config.hidden_size, hd, config.num_heads, config.num_kv_heads, heads,
+            bias=config.attention_bias, quant=options.quant, **common,
         )
         self.o_proj = RowParallelLinear(
             config.num_heads * hd,
@@ -43,6 +44,7 @@ class LlamaAttention(nn.Module):
             (heads.q_start * hd, heads.q_count * hd),
             tp,
             bias=config.attention_bias,
+            quant=options.quant,
             **common,
         )
         self.kv_cache = KVCache(options.max_batch, self.num_kv_heads, options.max_context, hd, **common)
@@ -74,7 +76,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         tp = options.tp
         local = split_intermediate(tp.rank, tp.world_size, config.intermediate_size, options.mlp_block)
-        common = {"dtype": options.dtype, "device": options.device, "bias": config.mlp_bias}
+        common = {"dtype": options.dtype, "device": options.device, "bias": config.mlp_bias, "quant": options.quant}
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, config.intermediate_size, local, ("gate_proj", "up_proj"), **common
         )
@@ -129,5 +131,10 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, options, self.decoder_layer_cls)
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = ReplicatedLinear(
-            config.hidden_size, config.vocab_size, dtype=options.dtype, device=options.device, tied_weight=tied
+            config.hidden_size,
+            config.vocab_size,
+            dtype=options.dtype,
+            device=options.device,
+            tied_weight=tied,
+            quant=options.quant,
         )

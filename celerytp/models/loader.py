@@ -13,6 +13,8 @@ from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.config import ModelConfig
 from celerytp.models.llama import LlamaForCausalLM
 from celerytp.models.qwen3 import Qwen3ForCausalLM
+from celerytp.quant.formats import QuantFormat
+from celerytp.quant.plan import finish_loading, mlp_block, resolve_quant
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -29,18 +31,23 @@ def load_model(
     max_context: int | None = None,
     max_batch: int = 1,
     progress: Progress | None = None,
+    quant: str | None = None,
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file).
 
     Raises LoadError("unsupported_arch") for paths and architectures we cannot run and
-    LoadError("load_failed") for broken checkpoints or impossible splits.
+    LoadError("load_failed") for broken checkpoints or impossible splits. `quant` names the
+    ggml format to keep linears in (LoadError("bad_request") if unknown or not executable);
+    None keeps a GGUF file's own type (see celerytp/quant/plan.py) and leaves others float.
     """
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        fmt = resolve_quant(quant, checkpoint, config.model_type, dtype)
         model = build_model(
-            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch
+            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=fmt
         )
         loaded = model.load_weights(checkpoint, progress)
+        finish_loading(model)
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
             raise LoadError("load_failed", f"missing: {not_loaded}; unexpected: []")
@@ -56,6 +63,7 @@ def build_model(
     device: str | torch.device,
     max_context: int | None,
     max_batch: int = 1,
+    quant: QuantFormat | None = None,
 ) -> CausalLM:
     """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks."""
     model_cls = MODEL_REGISTRY.get(config.model_type)
@@ -74,7 +82,8 @@ def build_model(
         device=torch.device(device),
         max_context=max_context,
         max_batch=max_batch,
-        mlp_block=_mlp_block(checkpoint, config),
+        mlp_block=mlp_block(_mlp_block(checkpoint, config), quant),
+        quant=quant,
     )
     return model_cls(config, options)
 

@@ -109,7 +109,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
             path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
             max_context=request.max_context, max_batch=request.max_batch,
             progress=ProgressReporter(state, request.model_id),
-            **({"quant": request.quant} if request.quant is not None else {}),
+            quant=request.quant,
         )
     except RankError as exc:
         failure = exc
