@@ -109,3 +109,20 @@ def split_intermediate(rank: int, world_size: int, intermediate_size: int, block
         )
     start, count = split_units(rank, world_size, intermediate_size // unit)
     return start * unit, count * unit
+
+
+def split_linear_heads(rank: int, world_size: int, num_value_heads: int, num_key_heads: int) -> HeadShard:
+    """Split Gated DeltaNet heads: value heads play the query heads' part, key heads the KV heads'.
+
+    Each key head serves num_value_heads / num_key_heads consecutive value heads; a rank owns
+    whole key heads with their value heads, or (world size above the key heads) one key head,
+    replicated, and an even share of its value heads. No communication inside the delta rule.
+    """
+    try:
+        return split_heads(rank, world_size, num_value_heads, num_key_heads)
+    except LoadError as exc:
+        raise LoadError(
+            "load_failed",
+            f"linear attention (linear_num_value_heads {num_value_heads}, linear_num_key_heads {num_key_heads}) "
+            f"cannot be split over world size {world_size}: {exc.message}",
+        ) from None

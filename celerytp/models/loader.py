@@ -11,14 +11,21 @@ from celerytp.loading import Checkpoint, open_checkpoint
 from celerytp.loading.errors import LoadError
 from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.config import ModelConfig
+from celerytp.models.hybrid_config import HybridConfig, config_from_hf
 from celerytp.models.llama import LlamaForCausalLM
 from celerytp.models.qwen3 import Qwen3ForCausalLM
+from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from celerytp.quant.formats import QuantFormat
 from celerytp.quant.plan import finish_loading, mlp_block, resolve_quant
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }
 
 
@@ -41,7 +48,7 @@ def load_model(
     None keeps a GGUF file's own type (see celerytp/quant/plan.py) and leaves others float.
     """
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
-        config = ModelConfig.from_hf_config(checkpoint.hf_config)
+        config = config_from_hf(checkpoint.hf_config)
         fmt = resolve_quant(quant, checkpoint, config.model_type, dtype)
         model = build_model(
             config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=fmt
@@ -55,7 +62,7 @@ def load_model(
 
 
 def build_model(
-    config: ModelConfig,
+    config: ModelConfig | HybridConfig,
     checkpoint: Checkpoint,
     tp: TPContext,
     *,
@@ -88,7 +95,7 @@ def build_model(
     return model_cls(config, options)
 
 
-def _mlp_block(checkpoint: Checkpoint, config: ModelConfig) -> int:
+def _mlp_block(checkpoint: Checkpoint, config: ModelConfig | HybridConfig) -> int:
     """The largest quant block along down_proj's input columns (1 when unquantized)."""
     names = set(checkpoint.names())
     blocks = [

@@ -1,0 +1,179 @@
+"""Tensor-parallel SwiGLU MLP and sparse MoE block (routed experts + gated shared expert).
+
+The router and the shared-expert gate are replicated, so every rank routes identically with
+no communication. Every expert's gate/up are split by columns and its down_proj by rows along
+moe_intermediate_size (the shared expert likewise), so each rank holds a slice of every expert
+and the block ends with exactly one all-reduce of the summed partial outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celerytp.distributed.tp import TPContext
+from celerytp.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from celerytp.layers.partition import split_intermediate
+from celerytp.layers.weights import check_shape, copy_into
+from celerytp.loading.checkpoint import TensorSource
+from celerytp.loading.errors import LoadError
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate/up column-parallel and down row-parallel.
+
+    Args:
+        reduce_results: all-reduce in forward; False when the caller sums it with other
+            partial outputs first (the MoE block's shared expert).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        reduce_results: bool = True,
+    ) -> None:
+        super().__init__()
+        local = split_intermediate(tp.rank, tp.world_size, intermediate_size)
+        common = {"dtype": dtype, "device": device, "bias": False}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, intermediate_size, local, ("gate_proj", "up_proj"), **common
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, local, tp, reduce_results=reduce_results, **common
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., I_local) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RoutedExperts(nn.Module):
+    """All experts' local slices stacked: w13 (E, 2 I_local, H) = [gate; up], w2 (E, H, I_local).
+
+    Checkpoint names `experts.{e}.{gate,up,down}_proj.weight` are mapped onto the stacks by
+    `checkpoint_entries`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.start, self.local = split_intermediate(tp.rank, tp.world_size, intermediate_size)
+        shape13, shape2 = (num_experts, 2 * self.local, hidden_size), (num_experts, hidden_size, self.local)
+        self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype, device=device), requires_grad=False)
+        for p in (self.w13, self.w2):
+            p.tp_sharded = True
+            p.weight_loader = self.weight_loader
+
+    def checkpoint_entries(self, prefix: str) -> dict[str, tuple[nn.Parameter, str]]:
+        """Checkpoint name -> (stacked parameter, "expert.projection")."""
+        return {
+            f"{prefix}.{e}.{proj}.weight": (self.w2 if proj == "down_proj" else self.w13, f"{e}.{proj}")
+            for e in range(self.num_experts)
+            for proj in EXPERT_PROJECTIONS
+        }
+
+    def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None) -> None:
+        expert, _, proj = (shard_id or "").partition(".")
+        if proj not in EXPERT_PROJECTIONS or not expert.isdigit() or int(expert) >= self.num_experts:
+            raise LoadError("load_failed", f"{source.name}: no expert projection {shard_id!r}")
+        e, cols = int(expert), (self.start, self.start + self.local)
+        if proj == "down_proj":
+            check_shape(source, (self.hidden_size, self.intermediate_size))
+            copy_into(param.data[e], source.read(cols=cols), source.name)
+            return
+        check_shape(source, (self.intermediate_size, self.hidden_size))
+        half = 0 if proj == "gate_proj" else self.local
+        copy_into(param.data[e, half : half + self.local], source.read(rows=cols), source.name)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Partial sum over this rank's columns of sum_k weights[n, k] * expert_k(x[n]).
+
+        x (N, H); experts, weights (N, top_k). Tokens are grouped by expert, so each expert
+        that any token chose runs one matmul over all of its tokens.
+        """
+        N, top_k = experts.shape
+        if N == 1:  # decode: top_k experts, one token each
+            out = torch.zeros_like(x)
+            for e, w in zip(experts[0].tolist(), weights[0], strict=True):
+                out += w * self._expert(e, x)
+            return out
+        flat = experts.reshape(-1)  # (N * top_k,)
+        order = flat.argsort(stable=True)
+        token = order // top_k  # token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[token]  # (N * top_k, H), grouped by expert
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                ys[start : start + count] = self._expert(e, xs[start : start + count])
+                start += count
+        ys *= weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)  # (n, I_local) each
+        return F.linear(F.silu(gate) * up, self.w2[e])  # (n, H) partial
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts plus a sigmoid-gated shared expert; one all-reduce per block.
+
+    Args:
+        shared_intermediate_size: 0 when there is no shared expert.
+        norm_topk_prob: renormalize the top-k routing weights to sum to 1.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        shared_intermediate_size: int,
+        norm_topk_prob: bool,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        common = {"dtype": dtype, "device": device}
+        self.tp, self.top_k, self.norm_topk_prob = tp, top_k, norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, num_experts, **common)  # the router
+        self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, tp, **common)
+        self.shared_expert: SwiGLUMLP | None = None
+        if shared_intermediate_size:
+            self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, tp, reduce_results=False, **common)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, H)
+        logits = self.gate(flat)  # (N, E)
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = self.experts(flat, experts, weights.to(logits.dtype))
+        if self.shared_expert is not None:
+            # The gate scales this rank's partial sum, so gating before the reduction is exact.
+            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return self.tp.all_reduce(y).view(shape)  # the block's one all-reduce

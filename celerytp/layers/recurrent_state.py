@@ -1,0 +1,48 @@
+"""Per-rank state of one linear-attention layer: the conv window and the delta-rule memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RecurrentState(nn.Module):
+    """What a Gated DeltaNet layer carries from one forward call to the next.
+
+    Unlike a KV cache it does not grow with the context: `conv` holds the last
+    kernel_size - 1 inputs of the causal conv, `ssm` the (key x value) memory of each of this
+    rank's value heads, kept in float32 whatever the compute dtype (it accumulates).
+
+    Args:
+        batch: batch slots (1).
+        conv_channels: this rank's conv channels ([Q | K | V] local widths).
+        conv_window: kernel_size - 1.
+        num_heads, key_dim, value_dim: this rank's value heads and the per-head sizes.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        conv_channels: int,
+        conv_window: int,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        conv = torch.zeros(batch, conv_channels, conv_window, dtype=dtype, device=device)
+        ssm = torch.zeros(batch, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        self.register_buffer("conv", conv, persistent=False)
+        self.register_buffer("ssm", ssm, persistent=False)
+
+    @torch.inference_mode()  # the buffers are inference tensors when built under load_model
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.ssm.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes

@@ -1,0 +1,228 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): Gated DeltaNet and gated full attention by layer_types.
+
+Full-attention layers: q_proj carries each head's query and output gate ([q | gate] per head),
+per-head zero-centred q/k norms, partial rotary, sigmoid(gate) applied before o_proj. Split by
+heads as in llama (KV groups, replicated KV heads beyond num_kv_heads), the gate halves staying
+with their heads. Linear-attention layers: celerytp.layers.gated_deltanet. MLPs: dense SwiGLU or
+the sparse MoE block of celerytp.layers.moe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celerytp.layers.gated_deltanet import FUSED_PROJECTIONS, SPLIT_PROJECTIONS, GatedDeltaNet, GatedDeltaNetDims
+from celerytp.layers.hybrid_norm import ZeroCenteredRMSNorm
+from celerytp.layers.kv_cache import CacheSlots, KVCache
+from celerytp.layers.linear import (
+    ColumnParallelLinear,
+    OutputShard,
+    ReplicatedEmbedding,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from celerytp.layers.moe import RoutedExperts, SparseMoeBlock, SwiGLUMLP
+from celerytp.layers.partition import split_heads
+from celerytp.layers.recurrent_state import RecurrentState
+from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
+from celerytp.loading.checkpoint import Checkpoint
+from celerytp.models.base import BuildOptions, CausalLM, Progress
+from celerytp.models.hybrid_config import HybridConfig
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors that are not the text model: multi-token-prediction head, vision tower.
+MTP_PREFIX = "mtp."
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+class Qwen3NextAttention(nn.Module):
+    """Gated GQA attention over this rank's heads, with a preallocated KV cache."""
+
+    def __init__(self, config: HybridConfig, options: BuildOptions) -> None:
+        super().__init__()
+        tp, hd = options.tp, config.head_dim
+        heads = split_heads(tp.rank, tp.world_size, config.num_heads, config.num_kv_heads)
+        self.heads = heads
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, hd  # local
+        self.rotary_dim = config.rotary_dim
+        common = {"dtype": options.dtype, "device": options.device}
+        kv = OutputShard(config.num_kv_heads * hd, heads.kv_start * hd, heads.kv_count * hd)
+        shards = {
+            # q_proj rows are [q (hd) | gate (hd)] per head, so whole heads keep their gates.
+            "q_proj": OutputShard(config.num_heads * 2 * hd, heads.q_start * 2 * hd, heads.q_count * 2 * hd),
+            "k_proj": kv,
+            "v_proj": kv,
+        }
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, bias=config.attention_bias, **common)
+        self.split_sizes = [s.size for s in shards.values()]
+        self.o_proj = RowParallelLinear(
+            config.num_heads * hd, config.hidden_size, (heads.q_start * hd, heads.q_count * hd), tp,
+            bias=config.attention_bias, **common,
+        )  # fmt: skip
+        self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
+        self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
+        self.kv_cache = KVCache(1, self.num_kv_heads, options.max_context, hd, **common)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
+        B, T, _ = x.shape
+        qg, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, gate = qg.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # (B, T, nh, hd) each
+        q = self._rotate(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = self._rotate(self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        k, v = self.kv_cache.update(slots, k, v)  # (B, nkv, L, hd)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=slots.mask, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        y = y * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(y)  # all-reduced over ranks
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Partial rotary: only the first rotary_dim dims of each head turn."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        return torch.cat((apply_rotary(x[..., : self.rotary_dim], cos, sin), x[..., self.rotary_dim :]), dim=-1)
+
+
+def linear_attention_dims(config: HybridConfig) -> GatedDeltaNetDims:
+    return GatedDeltaNetDims(
+        hidden_size=config.hidden_size,
+        num_key_heads=config.linear_num_key_heads,
+        num_value_heads=config.linear_num_value_heads,
+        key_head_dim=config.linear_key_head_dim,
+        value_head_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        eps=config.rms_norm_eps,
+        fused_proj=config.fused_linear_proj,
+        chunk_size=config.chunk_size,
+    )
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """Token mixer (linear_attn or self_attn, by layer_types) then MLP (dense or MoE)."""
+
+    def __init__(self, config: HybridConfig, options: BuildOptions, index: int) -> None:
+        super().__init__()
+        common = {"dtype": options.dtype, "device": options.device}
+        self.is_linear = config.layer_types[index] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(linear_attention_dims(config), options.tp, **common)
+        else:
+            self.self_attn = Qwen3NextAttention(config, options)
+        self.mlp: nn.Module
+        if index in config.moe_layers:
+            self.mlp = SparseMoeBlock(
+                config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                config.shared_expert_intermediate_size, config.norm_topk_prob, options.tp, **common,
+            )  # fmt: skip
+        else:
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, options.tp, **common)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = x + (self.linear_attn(h) if self.is_linear else self.self_attn(h, cos, sin, slots))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3NextModel(nn.Module):
+    """Embedding, hybrid decoder layers and final norm (the checkpoint's text-model prefix)."""
+
+    def __init__(self, config: HybridConfig, options: BuildOptions) -> None:
+        super().__init__()
+        common = {"dtype": options.dtype, "device": options.device}
+        self.embed_tokens = ReplicatedEmbedding(config.vocab_size, config.hidden_size, **common)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, options, i) for i in range(config.num_layers))
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, options.max_context, config.rope, device=options.device)
+
+    def forward(self, ids: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
+        B, T = ids.shape
+        if B != 1 or slots.first_row != 0:
+            raise NotImplementedError("hybrid models keep one sequence (batch size 1, cache row 0)")
+        if slots.length == T:  # offset 0: a new sequence starts from empty recurrent state
+            for state in self.recurrent_states():
+                state.reset()
+        h = self.embed_tokens(ids)  # (B, T, D)
+        cos, sin = self.rotary_emb(slots.positions, h.dtype)  # (B, T, rotary_dim) each
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, rotary_dim): broadcast over heads
+        for layer in self.layers:
+            h = layer(h, cos, sin, slots)
+        return self.norm(h)
+
+    def recurrent_states(self) -> list[RecurrentState]:
+        return [m for m in self.modules() if isinstance(m, RecurrentState)]
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3NextForCausalLM; also serves the Qwen3.5 family through the config's layout facts.
+
+    State per rank: a KV cache per full-attention layer and a RecurrentState (conv window +
+    delta-rule memory) per linear-attention layer; `clear_cache` resets both.
+    """
+
+    packed_modules_mapping = CausalLM.packed_modules_mapping | {"in_proj": FUSED_PROJECTIONS}
+
+    def __init__(self, config: HybridConfig, options: BuildOptions) -> None:  # type: ignore[override]
+        if options.max_batch != 1:  # one sequence's recurrent state: report 1 row, not fail the load
+            log.info("%s keeps one sequence; max_batch %d -> 1", config.model_type, options.max_batch)
+            options = dataclasses.replace(options, max_batch=1)
+        super().__init__(config, options)  # type: ignore[arg-type]
+        self.model = Qwen3NextModel(config, options)
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = ReplicatedLinear(
+            config.hidden_size, config.vocab_size, dtype=options.dtype, device=options.device, tied_weight=tied
+        )
+
+    def clear_cache(self, row: int | None = None) -> None:
+        super().clear_cache(row)
+        for state in self.model.recurrent_states():
+            state.reset()
+
+    def memory_report(self) -> dict[str, int]:
+        """As CausalLM's; `kv_cache_bytes` includes the recurrent state (also reported alone)."""
+        report = super().memory_report()
+        state = sum(s.nbytes for s in self.model.recurrent_states())
+        return report | {"kv_cache_bytes": report["kv_cache_bytes"] + state, "recurrent_state_bytes": state}
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def checkpoint_table(self) -> dict[str, tuple[nn.Parameter, str | None]]:
+        table = super().checkpoint_table()
+        for name, module in self.named_modules():
+            if isinstance(module, RoutedExperts):
+                del table[f"{name}.w13"], table[f"{name}.w2"]
+                table.update(module.checkpoint_entries(name))
+        prefix = self.config.weight_prefix
+        if prefix == "model.":
+            return table
+        return {(prefix + n[len("model.") :] if n.startswith("model.") else n): v for n, v in table.items()}
+
+    def is_ignorable(self, name: str) -> bool:
+        return super().is_ignorable(name) or name.startswith(MTP_PREFIX) or name.startswith(VISION_PREFIXES)
+
+    def load_weights(self, checkpoint: Checkpoint, progress: Progress | None = None) -> set[str]:
+        names = checkpoint.names()
+        vision = sum(n.startswith(VISION_PREFIXES) for n in names)
+        mtp = sum(n.startswith(MTP_PREFIX) for n in names)
+        if vision or mtp:
+            log.info("%s: text model only; skipping %d vision and %d mtp tensors", checkpoint.path, vision, mtp)
+        return super().load_weights(checkpoint, progress)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 (dense MLP) and Qwen3.5-MoE: separate in_proj_qkv / z / b / a projections."""
+
+    packed_modules_mapping = CausalLM.packed_modules_mapping | {"in_proj": SPLIT_PROJECTIONS}
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    pass
