@@ -92,7 +92,8 @@ class ChordPublisher:
         app, amqp = self.app, self.app.amqp
         body = app.signature(self.body_task, options={"task_id": body_id})
         header_ids = [uuid.uuid4().hex for _ in range(self.world_size)]
-        with app.producer_or_acquire() as producer:
+        # One Redis pipeline for all rank queues (kombu's publish batch), not a round trip each.
+        with app.producer_or_acquire() as producer, producer.batch():
             for rank, task_id in enumerate(header_ids):
                 message = amqp.create_task_message(
                     task_id, task_name, (request,), {}, group_id=group_id, group_index=rank,
