@@ -1,8 +1,9 @@
 """Generation speed: fused vs step mode vs a bare SPMD loop vs transformers, and batching.
 
-Run: python benchmarks/generate.py [--tokens 64] [--threads 2] [--tp 1 2]
-All in one run, on the default model (SmolLM2-135M-Instruct, GGUF, loaded as it loads by
-default) and the same thread budget (--threads cores shared by the ranks):
+Run: python benchmarks/generate.py [--tokens 64] [--threads 2] [--tp 1 2] [--quant f32|keep|q8_0]
+All in one run, on the default model (SmolLM2-135M-Instruct, GGUF; celerytp's weights in float32
+like transformers' unless --quant says otherwise) and the same thread budget (--threads cores
+shared by the ranks):
 
 - transformers: greedy `generate` on the same GGUF (dequantized to float32 by transformers);
 - bare SPMD: the same model code and the same fused loop (celerytp.engine) driven directly by
@@ -60,11 +61,11 @@ def transformers_tokens_per_s(prompt_ids: list[int], tokens: int, threads: int, 
     return tokens / statistics.median(times)
 
 
-def _spmd_rank(rank: int, world_size: int, init_file: str, threads: int, prompt_ids, tokens, repeats, out) -> None:
+def _spmd_rank(rank: int, world_size: int, init_file: str, threads: int, prompt_ids, tokens, repeats, quant, out) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     tp = TPContext(rank, world_size)
-    model = load_model(default_model_path(), tp, max_batch=1)
+    model = load_model(default_model_path(), tp, max_batch=1, quant=quant)
     spec = {"request_id": "bare", "prompt": prompt_ids, "max_tokens": tokens, "sampling": {}, "eos_token_ids": []}
     times = []
     for _ in range(repeats + 1):
@@ -77,12 +78,12 @@ def _spmd_rank(rank: int, world_size: int, init_file: str, threads: int, prompt_
     dist.destroy_process_group()
 
 
-def bare_spmd_tokens_per_s(world_size: int, threads: int, prompt_ids, tokens: int, repeats: int) -> float:
+def bare_spmd_tokens_per_s(world_size: int, threads: int, prompt_ids, tokens: int, repeats: int, quant) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     init_file = tempfile.mktemp(prefix="celerytp-spmd-")
     mp.start_processes(
-        _spmd_rank, args=(world_size, init_file, threads, prompt_ids, tokens, repeats, out),
+        _spmd_rank, args=(world_size, init_file, threads, prompt_ids, tokens, repeats, quant, out),
         nprocs=world_size, start_method="spawn",
     )
     return out.get()
@@ -105,10 +106,10 @@ def concurrent_tokens_per_s(leader, clients: int, tokens: int) -> float:
     return sum(done) / (time.perf_counter() - start)
 
 
-def celerytp_figures(world_size: int, threads: int, tokens: int, repeats: int) -> dict:
+def celerytp_figures(world_size: int, threads: int, tokens: int, repeats: int, quant: str | None) -> dict:
     with LocalCluster(world_size=world_size, group=f"gen{world_size}", threads=max(1, threads // world_size)) as cluster:
         leader = cluster.leader
-        leader.load("smol", None, max_batch=8)
+        leader.load("smol", None, max_batch=8, quant=quant)
         greedy = dict(prompt=PROMPT, max_tokens=tokens, temperature=0)
         # Greedy on this prompt runs to max_tokens without EOS (checked below), as the bare loop does.
         leader.generate("smol", **greedy)  # warm up
@@ -136,16 +137,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quant", default="f32", help="celerytp's weights: f32 (as transformers), or 'keep' the file's Q4_1")
     args = parser.parse_args()
+    quant = None if args.quant == "keep" else args.quant
     prompt_ids = load_tokenizer(default_model_path()).encode(PROMPT)
-    report: dict = {"model": Path(default_model_path()).name, "threads": args.threads, "tokens": args.tokens}
+    report: dict = {
+        "model": Path(default_model_path()).name, "quant": args.quant, "threads": args.threads, "tokens": args.tokens
+    }
     report["transformers_tokens_per_s"] = round(
         transformers_tokens_per_s(prompt_ids, args.tokens, args.threads, args.repeats), 2
     )
     for tp in args.tp:
-        figures = celerytp_figures(tp, args.threads, args.tokens, args.repeats)
+        figures = celerytp_figures(tp, args.threads, args.tokens, args.repeats, quant)
         figures["bare_spmd_tokens_per_s"] = round(
-            bare_spmd_tokens_per_s(tp, max(1, args.threads // tp), prompt_ids, args.tokens, args.repeats), 2
+            bare_spmd_tokens_per_s(tp, max(1, args.threads // tp), prompt_ids, args.tokens, args.repeats, quant), 2
         )
         figures["fused_over_bare_spmd"] = round(figures["fused_tokens_per_s"] / figures["bare_spmd_tokens_per_s"], 3)
         figures["fused_over_transformers"] = round(figures["fused_tokens_per_s"] / report["transformers_tokens_per_s"], 3)

@@ -49,7 +49,7 @@ def celerytp_step_mode(world_size: int, threads: int, prompt_ids: list[int], tok
     with LocalCluster(world_size=world_size, group=f"bench{world_size}", threads=max(1, threads // world_size)) as cluster:
         leader = cluster.leader
         baseline = [p.rss_bytes for p in leader.ping()]
-        loaded = leader.load("smol", None)
+        loaded = leader.load("smol", None, quant="f32")  # float32, as transformers runs it
         leader.generate("smol", prompt="warm up", max_tokens=4, temperature=0)
         reply = leader.step("smol", prompt_ids, 0)
         round_trips, computes = [], []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -17,16 +18,20 @@ class Batcher:
 
     One daemon thread sends every request waiting for the same model (up to that model's
     batch rows) as one `generate` chord, resolves their futures, and repeats; requests that
-    arrive meanwhile wait for the next batch.
+    arrive meanwhile wait for the next batch. After the first request of a batch arrives it
+    waits `window_s` for others, so requests sent together are not split into a batch of one
+    and a batch of the rest.
 
     Args:
         run: sends one batch and returns its rows.
         capacity: the most requests one batch of a model may hold.
+        window_s: how long a batch stays open after its first request.
     """
 
-    def __init__(self, run: RunBatch, capacity: Callable[[str], int]):
+    def __init__(self, run: RunBatch, capacity: Callable[[str], int], window_s: float = 0.01):
         self._run = run
         self._capacity = capacity
+        self._window_s = window_s
         self._pending: list[tuple[str, dict[str, Any], Future]] = []
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -45,6 +50,8 @@ class Batcher:
         with self._wake:
             while not self._pending:
                 self._wake.wait()
+        time.sleep(self._window_s)  # let requests sent at the same moment join
+        with self._wake:
             model_id = self._pending[0][0]
             same = [item for item in self._pending if item[0] == model_id]
         try:
