@@ -84,7 +84,12 @@ class FusedGeneration:
     def run(self) -> list[RowResult] | None:
         """Prefill, then decode until every row is done; rank 0 returns the results."""
         self.started = time.perf_counter()
-        first = [prefill(self.model, row.prompt, row.cache_row) for row in self.rows]
+        if len(self.rows) > 1 and max(len(row.prompt) for row in self.rows) <= PREFILL_CHUNK:
+            # Short prompts: one padded forward for the whole batch reads the weights once.
+            logits = self.model.prefill_rows([row.prompt for row in self.rows], [row.cache_row for row in self.rows])
+            first = list(logits)
+        else:
+            first = [prefill(self.model, row.prompt, row.cache_row) for row in self.rows]
         active = self._advance(self.rows, first)
         while active:
             tokens = torch.tensor([row.next_token for row in active], dtype=torch.long)

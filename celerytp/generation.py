@@ -97,8 +97,12 @@ def prepare(
     stop: list[str] | str | None = None,
     request_id: str | None = None,
     stream: bool = False,
+    ignore_eos: bool = False,
 ) -> Prepared:
-    """Tokenize and check a request on the leader, so the ranks rarely see a bad one."""
+    """Tokenize and check a request on the leader, so the ranks rarely see a bad one.
+
+    `ignore_eos` generates on past EOS to max_tokens (benchmarks, like vLLM's option).
+    """
     started = time.perf_counter()
     record = leader.models().get(model_id)
     if record is None:
@@ -115,7 +119,8 @@ def prepare(
     stops = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
     spec = {
         "request_id": request_id or uuid.uuid4().hex, "prompt": ids, "max_tokens": max_tokens,
-        "sampling": params.to_dict(), "stop": stops, "eos_token_ids": sorted(tokenizer.eos_token_ids), "stream": stream,
+        "sampling": params.to_dict(), "stop": stops, "stream": stream,
+        "eos_token_ids": [] if ignore_eos else sorted(tokenizer.eos_token_ids),
     }
     return Prepared(tokenizer, spec, params, stops, started)
 

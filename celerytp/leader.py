@@ -159,7 +159,7 @@ class Leader:
         """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
         Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
-        request_id (to cancel it). Unset sampling options come from generation_config.json.
+        request_id (to cancel it), ignore_eos (run to max_tokens, for benchmarks). Unset sampling options come from generation_config.json.
         `mode="fused"` runs the whole request (batched with concurrent ones) in one chord;
         `mode="step"` drives one step chord per token. Both give the same tokens.
         """

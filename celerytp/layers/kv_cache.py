@@ -37,6 +37,17 @@ class CacheSlots:
         return cls(rows, positions, offset + count, mask, row)
 
     @classmethod
+    def prefill_rows(cls, rows: list[int], lengths: list[int], device: torch.device) -> CacheSlots:
+        """Several rows' prompts from position 0, padded to the longest: keys past a row's length are hidden."""
+        T = max(lengths)
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T)
+        real = torch.arange(T, device=device)[None] < torch.tensor(lengths, device=device)[:, None]  # (B, T)
+        mask = (causal[None] & real[:, None, :])[:, None]  # (B, 1, T, T)
+        positions = torch.arange(T, device=device)[None].expand(len(rows), T)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        return cls(torch.tensor(rows, device=device), positions, T, mask, rows[0] if contiguous else None)
+
+    @classmethod
     def decode(cls, rows: list[int], positions: list[int], device: torch.device) -> CacheSlots:
         """One token per row, each at its own position."""
         pos = torch.tensor(positions, device=device)  # (B,)
@@ -80,10 +91,11 @@ class KVCache(nn.Module):
             pos = slots.positions[:, 0]  # (B,)
             self.k[slots.rows, :, pos] = k[:, :, 0]  # (B, nkv, hd)
             self.v[slots.rows, :, pos] = v[:, :, 0]
-        else:  # a prefill chunk: one row, consecutive positions
+        else:  # prefill: every row at the same consecutive positions
             start = int(slots.positions[0, 0])
-            self.k[slots.first_row, :, start : start + T] = k[0]
-            self.v[slots.first_row, :, start : start + T] = v[0]
+            rows = slots.rows if slots.first_row is None else slice(slots.first_row, slots.first_row + k.shape[0])
+            self.k[rows, :, start : start + T] = k
+            self.v[rows, :, start : start + T] = v
         if slots.first_row is not None:
             rows = slice(slots.first_row, slots.first_row + k.shape[0])
             return self.k[rows, :, : slots.length], self.v[rows, :, : slots.length]  # (B, nkv, L, hd) views

@@ -105,6 +105,22 @@ class CausalLM(nn.Module):
         return logits
 
     @torch.inference_mode()
+    def prefill_rows(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Several rows' prompts in one padded forward from position 0: logits (B, vocab) at each last token."""
+        lengths = [len(p) for p in prompts]
+        if max(lengths) > self.max_context:
+            raise ValueError(f"a prompt of {max(lengths)} tokens exceeds max_context {self.max_context}")
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            ids[b, : len(prompt)] = torch.tensor(prompt)
+        h = self.model(ids.to(self.device), CacheSlots.prefill_rows(rows, lengths, self.device))  # (B, T, D)
+        last = h[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # (B, D): each row's last real token
+        logits = self.lm_head(last).float()  # (B, V)
+        for r, n in zip(rows, lengths):
+            self.cache_lens[r] = n
+        return logits
+
+    @torch.inference_mode()
     def forward_decode(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """One token per cache row, each at that row's next position: (B,) -> float32 logits (B, vocab)."""
         positions = [self.cache_lens[r] for r in rows]

@@ -18,7 +18,7 @@ from celerytp.worker.state import RankError, RankState, handles
 log = logging.getLogger(__name__)
 
 STREAM_TTL_S = 600
-CANCEL_CHECK_S = 0.01  # how often rank 0 looks for cancellations
+CANCEL_CHECK_S = 0.05  # how often rank 0 looks for cancellations (a Redis round trip)
 
 
 class RedisHooks(Rank0Hooks):
