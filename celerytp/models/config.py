@@ -43,19 +43,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise LoadError("load_failed", f"config {name} must be a positive integer, got {value!r}")
+        require_positive(
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+            "head_dim", "max_position_embeddings",
+        )
         if self.head_dim % 2:
             raise LoadError("load_failed", f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.num_heads % self.num_kv_heads:
@@ -98,24 +89,24 @@ class ModelConfig:
                 head_dim=d.get("head_dim") or hidden // num_heads,
                 max_position_embeddings=d.get("max_position_embeddings", 2048),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope=_rope_config(d),
+                rope=rope_config(d),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=_id_tuple(d.get("eos_token_id")),
+                eos_token_ids=id_tuple(d.get("eos_token_id")),
             )
         except KeyError as exc:
             raise LoadError("load_failed", f"config is missing {exc.args[0]!r}") from exc
 
 
-def _id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+def id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (value,)
 
 
-def _rope_config(d: dict[str, Any]) -> RopeConfig:
+def rope_config(d: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); 4.x wrote rope_theta + rope_scaling.
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -132,3 +123,11 @@ def _rope_config(d: dict[str, Any]) -> RopeConfig:
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         freq_factors=tuple(factors) if factors else None,
     )
+
+
+def require_positive(config: object, *names: str) -> None:
+    """Raise LoadError naming the first of `names` that is not a positive integer on `config`."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise LoadError("load_failed", f"config {name} must be a positive integer, got {value!r}")

@@ -7,7 +7,7 @@ from typing import Any
 
 from celerytp.layers.rotary import RopeConfig
 from celerytp.loading.errors import LoadError
-from celerytp.models.config import DEFAULT_MAX_CONTEXT, ModelConfig, _id_tuple, _rope_config
+from celerytp.models.config import DEFAULT_MAX_CONTEXT, ModelConfig, id_tuple, require_positive, rope_config
 
 # model_type in config.json -> what it is. `qwen3_5` and `qwen3_5_moe` are the multimodal
 # checkpoints (text model under `text_config`, weights under `model.language_model.`); the
@@ -71,24 +71,11 @@ class HybridConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "chunk_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise LoadError("load_failed", f"config {name} must be a positive integer, got {value!r}")
+        require_positive(
+            self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+            "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "chunk_size",
+        )
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
             raise LoadError(
                 "load_failed",
@@ -155,7 +142,7 @@ class HybridConfig:
             rotary_dim=int(head_dim * partial),
             max_position_embeddings=t.get("max_position_embeddings", 2048),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config({k: v for k, v in t.items() if k != "rope_freq_factors"} | _plain_rope(params)),
+            rope=rope_config({k: v for k, v in t.items() if k != "rope_freq_factors"} | _plain_rope(params)),
             linear_num_key_heads=t["linear_num_key_heads"],
             linear_num_value_heads=t["linear_num_value_heads"],
             linear_key_head_dim=t["linear_key_head_dim"],
@@ -175,7 +162,7 @@ class HybridConfig:
             weight_prefix="model.language_model." if nested else "model.",
             chunk_size=int(top.get("linear_chunk_size", t.get("linear_chunk_size", DEFAULT_CHUNK_SIZE))),
             bos_token_id=t.get("bos_token_id", top.get("bos_token_id")),
-            eos_token_ids=_id_tuple(t.get("eos_token_id", top.get("eos_token_id"))),
+            eos_token_ids=id_tuple(t.get("eos_token_id", top.get("eos_token_id"))),
         )
 
 
