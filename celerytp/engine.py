@@ -37,6 +37,7 @@ class Row:
     next_token: int = -1
     finish: str | None = None
     first_token_at: float = 0.0
+    finished_at: float = 0.0
 
 
 class Rank0Hooks:
@@ -104,10 +105,12 @@ class FusedGeneration:
             self._sample(active, logits, decision)
         self.tp.broadcast(decision, src=0)
         still = []
+        now = time.perf_counter()
         for row, (token, done) in zip(active, decision.tolist()):
             row.next_token = token
             if done:
                 row.finish = row.finish or "stop"  # rank 0 knows the real reason
+                row.finished_at = now
             else:
                 still.append(row)
         return still
@@ -125,10 +128,10 @@ class FusedGeneration:
             row.finish = row.checker.after(token)
             tokens.append(token)
         self.hooks.publish(active, tokens)
-        for request_id in self.hooks.cancelled([r for r in active if r.finish is None]):
-            for row in active:
-                if row.request_id == request_id:
-                    row.finish = "cancelled"
+        cancelled = self.hooks.cancelled([row for row in active if row.finish is None])
+        for row in active:
+            if row.request_id in cancelled:
+                row.finish = "cancelled"
         done = [row for row in active if row.finish is not None]
         if done:
             self.hooks.finished(done)
@@ -136,11 +139,10 @@ class FusedGeneration:
             decision[i, 0], decision[i, 1] = token, int(row.finish is not None)
 
     def _result(self, row: Row) -> RowResult:
-        end = time.perf_counter()
         return RowResult(
             request_id=row.request_id, token_ids=row.checker.token_ids, finish_reason=row.finish or "stop",
             matched_stop=row.checker.matched, prompt_tokens=len(row.prompt),
-            ttft_s=row.first_token_at - self.started, decode_s=end - row.first_token_at,
+            ttft_s=row.first_token_at - self.started, decode_s=row.finished_at - row.first_token_at,
         )
 
 

@@ -19,7 +19,6 @@ from celerytp import protocol as p
 from celerytp.app import DEFAULT_GROUP, make_app
 from celerytp.batching import Batcher
 from celerytp.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
-from celerytp.generation import GenerationResult
 from celerytp.keys import cancel_key, models_key, owner_key
 from celerytp.loading import default_model_path
 from celerytp.progress import LoadProgress
@@ -155,7 +154,7 @@ class Leader:
 
     def generate(
         self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, mode: str = "fused", **options
-    ) -> GenerationResult:
+    ) -> generation.GenerationResult:
         """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
         Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
