@@ -12,10 +12,9 @@ import json
 import statistics
 import time
 
-from celerytp.app import queue_name
 from celerytp.cluster import LocalCluster
-from celerytp.keys import seq_key
-from celerytp.worker.tasks import op_task_name
+from celerytp.core.app import op_task_name, queue_name
+from celerytp.core.keys import seq_key
 
 
 def interleaved_medians_ms(fns: dict, ops: int, gap_s: float) -> dict[str, float]:

@@ -6,7 +6,7 @@ like transformers' unless --quant says otherwise) and the same thread budget (--
 shared by the ranks):
 
 - transformers: greedy `generate` on the same GGUF (dequantized to float32 by transformers);
-- bare SPMD: the same model code and the same fused loop (celerytp.engine) driven directly by
+- bare SPMD: the same model code and the same fused loop (celerytp.worker.fused) driven directly by
   torch.distributed in spawned processes, no Celery, no Redis;
 - fused: `Leader.generate` (one chord per request), end to end from the leader;
 - step: `Leader.generate(mode="step")` (one chord per token);
@@ -35,11 +35,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from celerytp.cluster import LocalCluster
+from celerytp.core.model_files import default_model_path
+from celerytp.core.protocol import GenSpec
+from celerytp.core.sampling import SamplingParams
+from celerytp.core.tokenizer import load_tokenizer
 from celerytp.distributed.tp import TPContext
-from celerytp.engine import FusedGeneration, make_rows
-from celerytp.loading import default_model_path
 from celerytp.models import load_model
-from celerytp.tokenizer import load_tokenizer
+from celerytp.worker.fused import FusedGeneration, make_rows
 
 PROMPT = "Tensor parallelism splits each layer of a neural network across devices so that"
 
@@ -68,12 +70,12 @@ def _spmd_rank(rank: int, world_size: int, init_file: str, threads: int, prompt_
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     tp = TPContext(rank, world_size)
     model = load_model(default_model_path(), tp, max_batch=1, quant=quant)
-    spec = {"request_id": "bare", "prompt": prompt_ids, "max_tokens": tokens, "sampling": {}, "eos_token_ids": []}
+    spec = GenSpec(request_id="bare", prompt=prompt_ids, max_tokens=tokens)
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
         start = time.perf_counter()
-        FusedGeneration(model, tp, make_rows([spec], model.max_context, leader=rank == 0)).run()
+        FusedGeneration(model, tp, make_rows([spec], [SamplingParams()], model.max_context, is_sampler=rank == 0)).run()
         times.append(time.perf_counter() - start)
     if rank == 0:
         out.put(tokens / statistics.median(times[1:]))  # the first run warms up

@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
-        from celerytp.loading import default_model_path
+        from celerytp.core.model_files import default_model_path
 
         args.model = default_model_path()
     if args.one:

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from celerytp.cluster import LocalCluster
-from celerytp.loading import default_model_path
-from celerytp.tokenizer import load_tokenizer
+from celerytp.core.model_files import default_model_path
+from celerytp.core.tokenizer import load_tokenizer
 
 PROMPT = "Tensor parallelism splits each layer of a neural network across devices so that"
 

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from celerytp.app import DEFAULT_GROUP
+from celerytp.core.app import DEFAULT_GROUP
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -29,8 +29,8 @@ def _worker(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def leader_for(args: argparse.Namespace) -> Iterator:
     """The leader of the group named by --broker, or of a fresh LocalCluster without it."""
+    from celerytp.client.leader import Leader
     from celerytp.cluster import LocalCluster
-    from celerytp.leader import Leader
 
     if args.broker:
         yield Leader(args.broker, args.group, args.tp)
@@ -55,15 +55,15 @@ def _check(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from celerytp.loading import default_model_path
-    from celerytp.tokenizer import load_tokenizer
+    from celerytp.core.model_files import default_model_path
+    from celerytp.core.tokenizer import load_tokenizer
 
     path = str(Path(args.model or default_model_path()).resolve())
     model_id = args.model_id or Path(path).stem
     if not args.broker:
         args.model_roots = [str(Path(path).parent)]
     tokenizer = load_tokenizer(path)
-    chat = not args.raw and getattr(tokenizer.backend, "chat_template", None)
+    chat = not args.raw and tokenizer.chat_template
     request = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
     with leader_for(args) as leader:
         if args.broker:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import redis
 
-from celerytp.leader import CeleryTPError, Leader
+from celerytp.client.leader import Leader
+from celerytp.core.errors import CeleryTPError
 
 
 def find_redis_server() -> str:

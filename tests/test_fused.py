@@ -10,7 +10,7 @@ import pytest
 
 from celerytp import CeleryTPError
 from celerytp.cluster import LocalCluster
-from celerytp.protocol import ErrorKind
+from celerytp.core.errors import ErrorKind
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_generate_op_bad_input(leader):
             leader.call("generate", {"model_id": "smol", **fields})
         assert info.value.kinds == {ErrorKind.BAD_REQUEST}, info.value
         assert needle in str(info.value)
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(CeleryTPError, match="mode"):
         leader.generate("smol", prompt=PROMPT, mode="warp")
     assert leader.generate("smol", prompt=PROMPT, max_tokens=3).completion_tokens == 3
 

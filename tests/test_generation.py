@@ -10,9 +10,9 @@ import pytest
 
 from celerytp import CeleryTPError
 from celerytp.cluster import LocalCluster
-from celerytp.loading import default_model_path
-from celerytp.protocol import ErrorKind
-from celerytp.tokenizer import load_tokenizer
+from celerytp.core.errors import ErrorKind
+from celerytp.core.model_files import default_model_path
+from celerytp.core.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -70,10 +70,17 @@ def test_stop_strings_truncate(smol_tp2):
 
 
 def test_generate_bad_input(smol_tp2):
-    with pytest.raises(ValueError):
-        smol_tp2.generate("smol", prompt=PROMPT, messages=CHAT)
-    with pytest.raises(ValueError, match="temperature"):
-        smol_tp2.generate("smol", prompt=PROMPT, temperature=-1)
+    # Checked on the leader, typed like the ranks' own checks.
+    for options, field in [
+        (dict(prompt=PROMPT, messages=CHAT), "prompt"),
+        (dict(prompt=PROMPT, temperature=-1), "temperature"),
+        (dict(prompt=PROMPT, max_tokens=0), "max_tokens"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=PROMPT, stop=[1]), "stop"),
+    ]:
+        with pytest.raises(CeleryTPError) as info:
+            smol_tp2.generate("smol", **options)
+        assert info.value.kinds == {ErrorKind.BAD_REQUEST} and field in str(info.value), options
     with pytest.raises(CeleryTPError) as info:
         smol_tp2.generate("missing", prompt=PROMPT)
     assert info.value.kinds == {ErrorKind.MODEL_NOT_LOADED}
@@ -93,3 +100,32 @@ def test_cli_generate_json_on_the_default_model():
     result = json.loads(proc.stdout)
     assert "Paris" in result["text"]
     assert {"text", "token_ids", "finish_reason", "tokens_per_s"} <= set(result)
+
+
+CLIENT_WITHOUT_TORCH = """
+import importlib.abc, json, sys
+
+class Refuse(importlib.abc.MetaPathFinder):  # as if only the base install (no [worker] extra) were present
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "transformers", "safetensors"}:
+            raise ImportError(f"{name} is not installed in a client-only install")
+
+sys.meta_path.insert(0, Refuse())
+from celerytp import Leader
+
+leader = Leader(sys.argv[1], sys.argv[2], 2)
+result = leader.generate("smol", prompt=sys.argv[3], max_tokens=8, temperature=0)
+stream = leader.stream("smol", prompt=sys.argv[3], max_tokens=8, temperature=0)
+print(json.dumps({"ids": result.token_ids, "streamed": "".join(stream), "text": result.text}))
+"""
+
+
+def test_a_client_without_torch_submits_to_running_workers(smol_tp2):
+    out = subprocess.run(
+        [sys.executable, "-c", CLIENT_WITHOUT_TORCH, smol_tp2.broker_url, smol_tp2.group, PROMPT],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout)
+    here = smol_tp2.generate("smol", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert seen["ids"] == here.token_ids and seen["streamed"] == seen["text"] == here.text

@@ -4,10 +4,10 @@ step chords and the fused generate op agree with each other and with transformer
 from __future__ import annotations
 
 import pytest
-
-from celerytp.cluster import LocalCluster
 from model_fixtures import hf_greedy, make_prompt
 from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model, set_chunk_size
+
+from celerytp.cluster import LocalCluster
 
 STEPS = 12
 

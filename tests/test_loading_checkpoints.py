@@ -13,9 +13,10 @@ import torch
 from model_fixtures import GGUF_CONFIGS, TINY_CONFIGS, make_hf_model, write_gguf
 from safetensors.torch import load_file, save_file
 
+from celerytp.core.errors import CeleryTPError
 from celerytp.distributed.tp import TPContext
 from celerytp.loading import open_checkpoint
-from celerytp.models import LoadError, ModelConfig, build_model, load_model
+from celerytp.models import ModelConfig, build_model, load_model
 
 SHARDED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 COLUMN_BIAS = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$")
@@ -113,15 +114,15 @@ def test_progress_reports_every_tensor(llama_dir: Path) -> None:
 
 
 def test_bad_paths_are_unsupported(tmp_path: Path) -> None:
-    with pytest.raises(LoadError, match="no such path") as err:
+    with pytest.raises(CeleryTPError, match="no such path") as err:
         load_model(tmp_path / "nope", TPContext())
     assert err.value.kind == "unsupported_arch"
-    with pytest.raises(LoadError, match="nor a directory with config.json") as err:
+    with pytest.raises(CeleryTPError, match="nor a directory with config.json") as err:
         load_model(tmp_path, TPContext())
     assert err.value.kind == "unsupported_arch"
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("hello")
-    with pytest.raises(LoadError) as err:
+    with pytest.raises(CeleryTPError) as err:
         load_model(not_gguf, TPContext())
     assert err.value.kind == "unsupported_arch"
 
@@ -129,7 +130,7 @@ def test_bad_paths_are_unsupported(tmp_path: Path) -> None:
 def test_damaged_gguf_fails_to_load(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\x00" * 64)  # the magic, then nonsense
-    with pytest.raises(LoadError, match="not a readable GGUF file") as err:
+    with pytest.raises(CeleryTPError, match="not a readable GGUF file") as err:
         load_model(junk, TPContext())
     assert err.value.kind == "load_failed"
 
@@ -139,7 +140,7 @@ def test_unsupported_model_type(llama_dir: Path, tmp_path: Path) -> None:
     shutil.copytree(llama_dir, copy)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(LoadError, match="model_type 'gpt2'") as err:
+    with pytest.raises(CeleryTPError, match="model_type 'gpt2'") as err:
         load_model(copy, TPContext())
     assert err.value.kind == "unsupported_arch"
 
@@ -147,7 +148,7 @@ def test_unsupported_model_type(llama_dir: Path, tmp_path: Path) -> None:
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     model_type, kwargs = GGUF_CONFIGS["qwen3"]
     path = write_gguf(make_hf_model(model_type, kwargs, seed=2), tmp_path / "x.gguf", arch="gpt2")
-    with pytest.raises(LoadError, match="GGUF architecture 'gpt2'") as err:
+    with pytest.raises(CeleryTPError, match="GGUF architecture 'gpt2'") as err:
         load_model(path, TPContext())
     assert err.value.kind == "unsupported_arch"
 
@@ -160,7 +161,7 @@ def test_missing_and_unexpected_tensors(llama_dir: Path, tmp_path: Path) -> None
     del tensors["model.layers.1.self_attn.q_proj.weight"]
     tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
     save_file(tensors, str(broken / "model.safetensors"))
-    with pytest.raises(LoadError) as err:
+    with pytest.raises(CeleryTPError) as err:
         load_model(broken, TPContext())
     assert err.value.kind == "load_failed"
     assert err.value.message == (
@@ -174,20 +175,20 @@ def test_shape_mismatch_names_both_shapes(llama_dir: Path, tmp_path: Path) -> No
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
     with pytest.raises(
-        LoadError, match=r"mlp\.\w+\.weight: checkpoint shape \((96, 48|48, 96)\), model expects \((64, 48|48, 64)\)"
+        CeleryTPError, match=r"mlp\.\w+\.weight: checkpoint shape \((96, 48|48, 96)\), model expects \((64, 48|48, 64)\)"
     ):
         load_model(copy, TPContext())
 
 
 def test_impossible_splits_fail_at_load(llama_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(LoadError, match="world size 4 exceeds num_kv_heads 3") as err:
+    with pytest.raises(CeleryTPError, match="world size 4 exceeds num_kv_heads 3") as err:
         load_model(llama_dir, TPContext(0, 4))
     assert err.value.kind == "load_failed"
     # qwen3 4 q / 2 kv heads split fine over 4 ranks, but Q8_0 blocks of 32 cannot give
     # 4 ranks a share of intermediate 96 (unquantized, 24 each would do).
     model_type, kwargs = GGUF_CONFIGS["qwen3"]
     path = write_gguf(make_hf_model(model_type, kwargs, 3), tmp_path / "q.gguf", {"": gguf.GGMLQuantizationType.Q8_0})
-    with pytest.raises(LoadError, match="intermediate_size 96 cannot be split over world size 4 in blocks of 32"):
+    with pytest.raises(CeleryTPError, match="intermediate_size 96 cannot be split over world size 4 in blocks of 32"):
         load_model(path, TPContext(0, 4))
-    with pytest.raises(LoadError, match="max_context 129 must be within 1..max_position_embeddings 128"):
+    with pytest.raises(CeleryTPError, match="max_context 129 must be within 1..max_position_embeddings 128"):
         load_model(llama_dir, TPContext(), max_context=129)

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from model_fixtures import TINY_CONFIGS, hf_greedy, make_hf_model, make_prompt
 from safetensors.torch import save_file
 
 from celerytp import CeleryTPError
 from celerytp.cluster import LocalCluster
-from celerytp.protocol import ErrorKind
-from model_fixtures import TINY_CONFIGS, hf_greedy, make_hf_model, make_prompt
+from celerytp.core.errors import ErrorKind
 
 STEPS = 20
 

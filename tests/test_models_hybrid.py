@@ -21,8 +21,8 @@ import torch
 from model_fixtures import Greedy, Job, assert_matches, hf_greedy, make_prompt, run_job, run_ranks
 from safetensors.torch import load_file, save_file
 
+from celerytp.core.errors import CeleryTPError
 from celerytp.distributed.tp import TPContext
-from celerytp.loading.errors import LoadError
 
 PROMPT_LEN = 80
 VOCAB = 160
@@ -252,11 +252,11 @@ def test_unsplittable_heads_name_the_numbers(cases: dict[str, Case]) -> None:
     from celerytp.models import load_model
 
     # 2 key heads over 3 ranks: 3 is neither <= 2 nor a multiple of it.
-    with pytest.raises(LoadError, match="linear_num_value_heads 4, linear_num_key_heads 2.*world size 3") as exc:
+    with pytest.raises(CeleryTPError, match="linear_num_value_heads 4, linear_num_key_heads 2.*world size 3") as exc:
         load_model(cases["qwen3_next"].path, TPContext(0, 3))
     assert exc.value.kind == "load_failed"
     # 2 KV heads over 8 ranks: each KV head on 4 ranks, but its 2 query heads do not divide by 4.
-    with pytest.raises(LoadError, match="2 query heads do not divide by 4") as exc:
+    with pytest.raises(CeleryTPError, match="2 query heads do not divide by 4") as exc:
         load_model(cases["qwen3_5"].path, TPContext(0, 8))
     assert exc.value.kind == "load_failed"
 
@@ -320,7 +320,7 @@ def test_split_linear_heads() -> None:
     assert split_linear_heads(1, 4, 32, 16) == HeadShard(8, 8, 4, 4)
     assert split_linear_heads(5, 32, 32, 16) == HeadShard(5, 1, 2, 1, 2)  # replicated key head
     assert split_linear_heads(1, 2, 6, 3) == HeadShard(4, 2, 2, 1)  # uneven: 2 + 1 key heads
-    with pytest.raises(LoadError, match="world size 64"):
+    with pytest.raises(CeleryTPError, match="world size 64"):
         split_linear_heads(0, 64, 32, 16)
 
 
@@ -362,7 +362,7 @@ def test_hub_style_configs_parse() -> None:
     assert (q35.weight_prefix, q35.fused_linear_proj, q35.moe_layers, q35.rotary_dim) == (
         "model.language_model.", False, (), 64,
     )  # fmt: skip
-    with pytest.raises(LoadError, match="text_config"):
+    with pytest.raises(CeleryTPError, match="text_config"):
         HybridConfig.from_hf_config(dict(model_type="qwen3_5"))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from celerytp.core.errors import CeleryTPError
 from celerytp.layers.partition import HeadShard, split_heads, split_intermediate, split_units
-from celerytp.loading.errors import LoadError
 
 
 def all_ranks(fn, world_size: int, *args):  # type: ignore[no-untyped-def]
@@ -61,7 +61,7 @@ def test_split_heads(heads: int, kv: int, world: int, expected: list[HeadShard])
     ],
 )
 def test_impossible_head_splits_name_the_numbers(heads: int, kv: int, world: int, numbers: list[str]) -> None:
-    with pytest.raises(LoadError) as err:
+    with pytest.raises(CeleryTPError) as err:
         split_heads(0, world, heads, kv)
     assert err.value.kind == "load_failed"
     for n in numbers:
@@ -85,12 +85,12 @@ def test_split_intermediate() -> None:
 
 
 def test_impossible_intermediate_split_names_the_numbers() -> None:
-    with pytest.raises(LoadError, match="intermediate_size 96 cannot be split over world size 4 in blocks of 32"):
+    with pytest.raises(CeleryTPError, match="intermediate_size 96 cannot be split over world size 4 in blocks of 32"):
         split_intermediate(0, 4, 96, 32)
-    with pytest.raises(LoadError, match="intermediate_size 2 cannot be split over world size 3"):
+    with pytest.raises(CeleryTPError, match="intermediate_size 2 cannot be split over world size 3"):
         split_intermediate(0, 3, 2)
 
 
 def test_bad_rank() -> None:
-    with pytest.raises(LoadError, match="rank 2 is outside world size 2"):
+    with pytest.raises(CeleryTPError, match="rank 2 is outside world size 2"):
         split_heads(2, 2, 4, 2)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from model_fixtures import Greedy, Job, assert_matches, gguf_name, hf_greedy, run_job, run_ranks
 
+from celerytp.core.model_files import default_model_path
+from celerytp.core.tokenizer import Tokenizer, load_tokenizer
 from celerytp.distributed.tp import TPContext
-from celerytp.loading import default_model_path
-from celerytp.tokenizer import Tokenizer, load_tokenizer
 
 ATOL = 1e-3
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -44,10 +44,8 @@ SMOLLM2_CONFIG = dict(
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CELERYTP_CACHE_DIR", str(tmp_path_factory.mktemp("celerytp_cache")))
-        return load_tokenizer(default_model_path())
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(default_model_path())
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,12 @@
 
 import pytest
 
-from celerytp import protocol as p
-from celerytp.protocol import ErrorKind
+from celerytp.core import protocol as p
+from celerytp.core.errors import CeleryTPError, ErrorKind
 
 
 def bad(data, expected_op=None) -> str:
-    with pytest.raises(p.ProtocolError) as info:
+    with pytest.raises(CeleryTPError) as info:
         p.parse_request(data, expected_op)
     assert info.value.kind is ErrorKind.BAD_REQUEST
     return info.value.message
@@ -48,5 +48,5 @@ def test_op_must_match_its_task():
 def test_replies_round_trip():
     reply = p.parse_reply(p.error_reply(3, ErrorKind.TIMEOUT, "late"))
     assert reply == p.ErrorReply(rank=3, kind=ErrorKind.TIMEOUT, message="late")
-    with pytest.raises(p.ProtocolError):
+    with pytest.raises(CeleryTPError):
         p.parse_reply({"type": "pong", "rank": 0})

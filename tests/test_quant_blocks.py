@@ -13,9 +13,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from celerytp.core.errors import CeleryTPError
+from celerytp.core.model_files import default_model_path
 from celerytp.layers.quantized import make_layout, run_kernel
-from celerytp.loading import default_model_path, open_checkpoint
-from celerytp.loading.errors import LoadError
+from celerytp.loading import open_checkpoint
 from celerytp.quant import ACCEPTED_NAMES, EXECUTABLE, dequantize_blocks, parse_quant, quantize_blocks, unpack_blocks
 
 BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K]
@@ -117,7 +118,7 @@ def test_accepted_names(given: str, canonical: str) -> None:
 
 @pytest.mark.parametrize("name", ["q5_0", "Q5_1", "q8_1", "q2k", "q3_k", "q5k", "Q5_K_M", "q6k", "q8k"])
 def test_known_but_not_executable_names_are_bad_request(name: str) -> None:
-    with pytest.raises(LoadError) as err:
+    with pytest.raises(CeleryTPError) as err:
         parse_quant(name)
     assert err.value.kind == "bad_request"
     assert "cannot execute" in err.value.message and "q4_k" in err.value.message
@@ -125,7 +126,7 @@ def test_known_but_not_executable_names_are_bad_request(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["q4", "int8", "q4_2", "gptq", "fp8", ""])
 def test_unknown_names_are_bad_request_listing_accepted(name: str) -> None:
-    with pytest.raises(LoadError) as err:
+    with pytest.raises(CeleryTPError) as err:
         parse_quant(name)
     assert err.value.kind == "bad_request"
     assert all(n in err.value.message for n in ACCEPTED_NAMES)
@@ -135,7 +136,7 @@ def test_every_accepted_name_parses_or_is_refused() -> None:
     for name in ACCEPTED_NAMES:
         try:
             assert parse_quant(name).name in EXECUTABLE
-        except LoadError as exc:
+        except CeleryTPError as exc:
             assert exc.kind == "bad_request" and "cannot execute" in exc.message
 
 

@@ -25,10 +25,10 @@ import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType as T
 from model_fixtures import COMMON, Greedy, assert_matches, hf_greedy, make_hf_model, make_prompt, our_greedy, write_gguf
 
+from celerytp.core.errors import CeleryTPError
+from celerytp.core.model_files import default_model_path
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV, QuantizedWeight
-from celerytp.loading import default_model_path
-from celerytp.loading.errors import LoadError
 from celerytp.models import load_model
 from celerytp.quant import quantize_blocks, unpack_blocks
 
@@ -132,7 +132,7 @@ def test_quant_f32_is_the_plain_model(hf_dirs: dict) -> None:
 def test_bad_quant_is_refused_before_reading(hf_dirs: dict) -> None:
     _, path = hf_dirs["qwen3"]
     for quant, phrase in [("q5_k", "cannot execute"), ("q7", "unknown quant")]:
-        with pytest.raises(LoadError) as err:
+        with pytest.raises(CeleryTPError) as err:
             load_model(path, TPContext(), quant=quant)
         assert err.value.kind == "bad_request" and phrase in err.value.message
 
@@ -140,7 +140,7 @@ def test_bad_quant_is_refused_before_reading(hf_dirs: dict) -> None:
 def test_split_that_cuts_a_block_is_load_failed(hf_dirs: dict) -> None:
     """o_proj at TP 2 gets 2 heads x 64 = 128 input columns: not whole Q4_K blocks of 256."""
     _, path = hf_dirs["llama"]
-    with pytest.raises(LoadError) as err:
+    with pytest.raises(CeleryTPError) as err:
         load_model(path, TPContext(1, 2), quant="q4_k")
     assert err.value.kind == "load_failed"
     assert "128:256 of 256" in err.value.message and "256" in err.value.message

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from celerytp.sampling import (
-    SamplingParams,
+from celerytp.core.sampling import SamplingParams
+from celerytp.worker.sampling import (
     apply_repetition_penalty,
     logits_to_probs,
     make_generator,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.hybrid_norm import GatedRMSNorm
 from celerytp.layers.linear import RowParallelLinear
@@ -22,7 +23,6 @@ from celerytp.layers.partition import HeadShard, split_linear_heads
 from celerytp.layers.recurrent_state import RecurrentState
 from celerytp.layers.weights import check_shape, copy_into
 from celerytp.loading.checkpoint import TensorSource
-from celerytp.loading.errors import LoadError
 
 Piece = tuple[int, int, int]  # (checkpoint row start, rows, local row start)
 
@@ -181,7 +181,7 @@ class GatedDeltaNet(nn.Module):
         pieces = self.layout.proj_pieces.get(shard_id or "")
         if pieces is None:
             known = list(self.layout.proj_pieces)
-            raise LoadError("load_failed", f"{source.name}: no projection {shard_id!r} in {known}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{source.name}: no projection {shard_id!r} in {known}")
         load_pieces(param, source, pieces, (self.layout.proj_totals[shard_id], self.dims.hidden_size))
 
     def _load_conv(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import HeadShard
 from celerytp.layers.quantized import QuantizedWeight, check_block_aligned
 from celerytp.layers.weights import check_shape, copy_into, replicated_loader
 from celerytp.loading.checkpoint import TensorSource
-from celerytp.loading.errors import LoadError
 from celerytp.quant.formats import QuantFormat
 
 
@@ -80,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None) -> None:
         if shard_id not in self.shards:
-            raise LoadError("load_failed", f"{source.name}: no shard {shard_id!r} in {list(self.shards)}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{source.name}: no shard {shard_id!r} in {list(self.shards)}")
         shard, offset = self.shards[shard_id], self.offsets[shard_id]
         check_shape(source, (shard.total, self.input_size) if param is not self.bias else (shard.total,))
         if self.qweight is not None and param is self.weight:

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from celerytp.layers.partition import split_intermediate
 from celerytp.layers.weights import check_shape, copy_into
 from celerytp.loading.checkpoint import TensorSource
-from celerytp.loading.errors import LoadError
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -93,7 +93,7 @@ class RoutedExperts(nn.Module):
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None) -> None:
         expert, _, proj = (shard_id or "").partition(".")
         if proj not in EXPERT_PROJECTIONS or not expert.isdigit() or int(expert) >= self.num_experts:
-            raise LoadError("load_failed", f"{source.name}: no expert projection {shard_id!r}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{source.name}: no expert projection {shard_id!r}")
         e, cols = int(expert), (self.start, self.start + self.local)
         if proj == "down_proj":
             check_shape(source, (self.hidden_size, self.intermediate_size))

@@ -1,7 +1,7 @@
 """Pure tensor-parallel sharding maths: which heads and MLP columns each rank owns.
 
 Every function takes (rank, world_size, ...) explicitly so it can be tested without a
-process group, and raises LoadError("load_failed", ...) naming the numbers when a model
+process group, and raises CeleryTPError(ErrorKind.LOAD_FAILED, ...) naming the numbers when a model
 cannot be split that way.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from celerytp.loading.errors import LoadError
+from celerytp.core.errors import CeleryTPError, ErrorKind
 
 # Uneven MLP splits move whole blocks of this many columns, so the row-parallel down_proj
 # slices stay aligned with GGUF quant blocks (32 for Q4/Q5/Q8) and SIMD widths.
@@ -19,7 +19,7 @@ UNEVEN_SPLIT_BLOCK = 32
 
 def _check_rank(rank: int, world_size: int) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
-        raise LoadError("load_failed", f"rank {rank} is outside world size {world_size}")
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"rank {rank} is outside world size {world_size}")
 
 
 def split_units(rank: int, world_size: int, units: int) -> tuple[int, int]:
@@ -60,8 +60,8 @@ def split_heads(rank: int, world_size: int, num_heads: int, num_kv_heads: int) -
     """
     _check_rank(rank, world_size)
     if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise LoadError(
-            "load_failed",
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
         )
     group = num_heads // num_kv_heads  # query heads per KV head
@@ -69,15 +69,15 @@ def split_heads(rank: int, world_size: int, num_heads: int, num_kv_heads: int) -
         kv_start, kv_count = split_units(rank, world_size, num_kv_heads)
         return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
     if world_size % num_kv_heads:
-        raise LoadError(
-            "load_failed",
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"world size {world_size} exceeds num_kv_heads {num_kv_heads} "
             f"and is not a multiple of it, so KV heads cannot be replicated evenly",
         )
     replicas = world_size // num_kv_heads
     if group % replicas:
-        raise LoadError(
-            "load_failed",
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"each KV head is shared by {replicas} ranks (world size {world_size}, "
             f"num_kv_heads {num_kv_heads}) but its {group} query heads do not divide by {replicas}",
         )
@@ -103,8 +103,8 @@ def split_intermediate(rank: int, world_size: int, intermediate_size: int, block
     if intermediate_size % unit or intermediate_size // unit < world_size:
         unit = block
     if intermediate_size % unit or intermediate_size // unit < world_size:
-        raise LoadError(
-            "load_failed",
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"intermediate_size {intermediate_size} cannot be split over world size {world_size} in blocks of {unit}",
         )
     start, count = split_units(rank, world_size, intermediate_size // unit)
@@ -120,9 +120,9 @@ def split_linear_heads(rank: int, world_size: int, num_value_heads: int, num_key
     """
     try:
         return split_heads(rank, world_size, num_value_heads, num_key_heads)
-    except LoadError as exc:
-        raise LoadError(
-            "load_failed",
+    except CeleryTPError as exc:
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"linear attention (linear_num_value_heads {num_value_heads}, linear_num_key_heads {num_key_heads}) "
             f"cannot be split over world size {world_size}: {exc.message}",
         ) from None

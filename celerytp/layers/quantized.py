@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Range, TensorSource
-from celerytp.loading.errors import LoadError
 from celerytp.quant.blocks import QK, Unpacked, quantize_blocks, unpack_blocks
 from celerytp.quant.formats import QuantFormat
 
@@ -44,8 +44,8 @@ PROBE_RTOL = 0.02  # bf16 activations and scales: ~3 significant digits
 def check_block_aligned(start: int, size: int, total: int, fmt: QuantFormat, what: str) -> None:
     """A row-parallel slice of the input dim must not cut a quant block."""
     if start % fmt.block_size or size % fmt.block_size:
-        raise LoadError(
-            "load_failed",
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"{what}: this rank's input columns {start}:{start + size} of {total} cut {fmt.name} blocks of "
             f"{fmt.block_size} (start {start} and size {size} must be multiples of {fmt.block_size})",
         )
@@ -78,8 +78,8 @@ class QuantizedWeight(nn.Module):
     ) -> None:
         super().__init__()
         if in_features % fmt.block_size:
-            raise LoadError(
-                "load_failed", f"in_features {in_features} is not a multiple of the {fmt.name} block size {fmt.block_size}"
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED, f"in_features {in_features} is not a multiple of the {fmt.name} block size {fmt.block_size}"
             )
         self.fmt, self.out_features, self.in_features = fmt, out_features, in_features
         self.dtype, self.sharded, self.kernel = dtype, sharded, "float" if fmt.float_dtype else "staged"
@@ -104,8 +104,8 @@ class QuantizedWeight(nn.Module):
             dest = self.staged
         stop = row_offset + value.shape[0]
         if value.shape[1] != dest.shape[1] or stop > dest.shape[0]:
-            raise LoadError(
-                "load_failed", f"{source.name}: slice {tuple(value.shape)} does not fit rows {row_offset}:{stop} of {tuple(dest.shape)}"
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED, f"{source.name}: slice {tuple(value.shape)} does not fit rows {row_offset}:{stop} of {tuple(dest.shape)}"
             )
         dest[row_offset:stop].copy_(value)
 

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import torch
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import TensorSource
-from celerytp.loading.errors import LoadError
 
 
 def check_shape(source: TensorSource, expected: tuple[int, ...]) -> None:
     if tuple(source.shape) != tuple(expected):
-        raise LoadError(
-            "load_failed", f"{source.name}: checkpoint shape {tuple(source.shape)}, model expects {tuple(expected)}"
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED, f"{source.name}: checkpoint shape {tuple(source.shape)}, model expects {tuple(expected)}"
         )
 
 
 def copy_into(dest: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if dest.shape != value.shape:
-        raise LoadError(
-            "load_failed", f"{name}: slice shape {tuple(value.shape)} != parameter shape {tuple(dest.shape)}"
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED, f"{name}: slice shape {tuple(value.shape)} != parameter shape {tuple(dest.shape)}"
         )
     dest.copy_(value)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 
-from celerytp.loading.errors import LoadError
+from celerytp.core.errors import CeleryTPError, ErrorKind
 
 Range = tuple[int, int]  # [start, stop)
 
@@ -40,13 +40,13 @@ class TensorSource(ABC):
         """The slice [rows, cols] of this tensor (whole dimension where None)."""
         # 3-D and up (a conv1d weight): whole trailing dims, rows only.
         if not self.shape or (len(self.shape) != 2 and cols is not None):
-            raise LoadError("load_failed", f"{self.name}: cannot slice a tensor of shape {self.shape}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{self.name}: cannot slice a tensor of shape {self.shape}")
         r = self._check_range(rows, 0)
         c = self._check_range(cols, 1) if len(self.shape) == 2 else None
         out = self._read(r, c)
         expected = (r[1] - r[0], *self.shape[1:]) if c is None else (r[1] - r[0], c[1] - c[0])
         if tuple(out.shape) != expected:
-            raise LoadError("load_failed", f"{self.name}: read shape {tuple(out.shape)}, expected {expected}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{self.name}: read shape {tuple(out.shape)}, expected {expected}")
         self._log.append(ReadRecord(self.name, expected, self.shape))
         return out
 
@@ -54,7 +54,7 @@ class TensorSource(ABC):
         size = self.shape[dim]
         start, stop = rng if rng is not None else (0, size)
         if not 0 <= start <= stop <= size:
-            raise LoadError("load_failed", f"{self.name}: range {start}:{stop} outside dim {dim} of size {size}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{self.name}: range {start}:{stop} outside dim {dim} of size {size}")
         return start, stop
 
     @abstractmethod

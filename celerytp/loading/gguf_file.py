@@ -15,8 +15,8 @@ import gguf
 import numpy as np
 import torch
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
-from celerytp.loading.errors import LoadError
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 
@@ -127,8 +127,8 @@ class GGUFSource(TensorSource):
         """A copy of just this slice's bytes out of the memory map."""
         raw = self._tensor.data  # memmap: (rows, row_bytes) for quant types, (rows, cols) for floats
         if self._head_dim and (rows[0] % self._head_dim or rows[1] % self._head_dim):
-            raise LoadError(
-                "load_failed", f"{self.name}: rows {rows[0]}:{rows[1]} are not whole heads of {self._head_dim}"
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED, f"{self.name}: rows {rows[0]}:{rows[1]} are not whole heads of {self._head_dim}"
             )
         part = raw[rows[0] : rows[1]]
         if cols is not None:
@@ -148,8 +148,8 @@ class GGUFSource(TensorSource):
             return cols
         block, type_size = gguf.GGML_QUANT_SIZES[self._qtype]
         if cols[0] % block or cols[1] % block:
-            raise LoadError(
-                "load_failed",
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED,
                 f"{self.name}: columns {cols[0]}:{cols[1]} are not aligned to {self._qtype.name} blocks of {block}",
             )
         return cols[0] // block * type_size, cols[1] // block * type_size
@@ -170,7 +170,7 @@ class GGUFCheckpoint(Checkpoint):
             reader = open_gguf_reader(path)
         except Exception as exc:  # the reader raises ValueError/struct errors on junk
             # It has the GGUF magic (open_checkpoint checked), so it is a damaged file.
-            raise LoadError("load_failed", f"{path}: not a readable GGUF file: {exc}") from exc
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{path}: not a readable GGUF file: {exc}") from exc
         self._reader = reader
         self._tensors = {t.name: t for t in reader.tensors}
         self.path = path  # _hf_config's messages name it
@@ -198,8 +198,8 @@ class GGUFCheckpoint(Checkpoint):
     def _hf_config(self) -> dict[str, Any]:
         arch = self.metadata("general.architecture")
         if arch not in SUPPORTED_ARCHS:
-            raise LoadError(
-                "unsupported_arch",
+            raise CeleryTPError(
+                ErrorKind.UNSUPPORTED_ARCH,
                 f"{self.path}: GGUF architecture {arch!r} is not one of {', '.join(SUPPORTED_ARCHS)}",
             )
 
@@ -209,7 +209,7 @@ class GGUFCheckpoint(Checkpoint):
         num_heads = key("attention.head_count")
         num_kv_heads = key("attention.head_count_kv", num_heads)
         if isinstance(num_kv_heads, list) or isinstance(num_heads, list):
-            raise LoadError("unsupported_arch", f"{self.path}: per-layer head counts are not supported")
+            raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"{self.path}: per-layer head counts are not supported")
         hidden = key("embedding_length")
         head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
         embd = self._tensors.get("token_embd.weight")

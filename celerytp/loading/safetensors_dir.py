@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.model_files import read_json_object
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
-from celerytp.loading.errors import LoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,7 +33,7 @@ class SafetensorsCheckpoint(Checkpoint):
     """A directory with config.json and model.safetensors or a sharded index."""
 
     def __init__(self, directory: Path) -> None:
-        super().__init__(directory, _read_json(directory / "config.json"))
+        super().__init__(directory, read_json_object(directory / "config.json", required=True))
         self._weight_map = _weight_map(directory)
         self._handles: dict[str, Any] = {}
 
@@ -46,33 +46,26 @@ class SafetensorsCheckpoint(Checkpoint):
             try:
                 self._handles[file] = safe_open(str(self.path / file), framework="pt")
             except Exception as exc:  # safetensors raises its own error types
-                raise LoadError("load_failed", f"cannot open {self.path / file}: {exc}") from exc
+                raise CeleryTPError(ErrorKind.LOAD_FAILED, f"cannot open {self.path / file}: {exc}") from exc
         return SafetensorsSource(name, self._handles[file], self.reads)
 
     def close(self) -> None:
         self._handles.clear()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoadError("load_failed", f"cannot read {path}: {exc}") from exc
-
-
 def _weight_map(directory: Path) -> dict[str, str]:
     """Tensor name -> file name, from the index or by listing the single file."""
     index = directory / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise LoadError("load_failed", f"{index} has no weight_map")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{index} has no weight_map")
         return dict(weight_map)
     single = directory / SINGLE_FILE
     if not single.is_file():
-        raise LoadError("load_failed", f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     try:
         with safe_open(str(single), framework="pt") as handle:
             return {name: SINGLE_FILE for name in handle.keys()}
     except Exception as exc:
-        raise LoadError("load_failed", f"cannot open {single}: {exc}") from exc
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"cannot open {single}: {exc}") from exc

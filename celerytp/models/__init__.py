@@ -1,6 +1,5 @@
 """Model registry and the loading entry point ranks call: load_model(path, tp) -> CausalLM."""
 
-from celerytp.loading.errors import LoadError
 from celerytp.models.base import BuildOptions, CausalLM
 from celerytp.models.config import ModelConfig
 from celerytp.models.llama import LlamaForCausalLM
@@ -12,7 +11,6 @@ __all__ = [
     "BuildOptions",
     "CausalLM",
     "LlamaForCausalLM",
-    "LoadError",
     "ModelConfig",
     "Qwen3ForCausalLM",
     "build_model",

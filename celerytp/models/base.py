@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.loading.checkpoint import Checkpoint
-from celerytp.loading.errors import LoadError
 from celerytp.models.config import ModelConfig
 from celerytp.quant.formats import QuantFormat
 
@@ -193,12 +193,12 @@ class CausalLM(nn.Module):
 
 
 def check_names(expected: set[str], names: list[str], ignorable: Callable[[str], bool]) -> None:
-    """Raise LoadError listing checkpoint names we lack and parameters it lacks."""
+    """Raise CeleryTPError listing checkpoint names we lack and parameters it lacks."""
     present = set(names)
     missing = sorted(expected - present)
     unexpected = sorted(n for n in present - expected if not ignorable(n))
     if missing or unexpected:
-        raise LoadError("load_failed", f"missing: {_short(missing)}; unexpected: {_short(unexpected)}")
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {_short(missing)}; unexpected: {_short(unexpected)}")
 
 
 def _short(names: list[str], limit: int = 8) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.layers.rotary import RopeConfig
-from celerytp.loading.errors import LoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -48,10 +48,10 @@ class ModelConfig:
             "head_dim", "max_position_embeddings",
         )
         if self.head_dim % 2:
-            raise LoadError("load_failed", f"head_dim {self.head_dim} must be even for rotary embeddings")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.num_heads % self.num_kv_heads:
-            raise LoadError(
-                "load_failed", f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED, f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
 
     @property
@@ -67,14 +67,14 @@ class ModelConfig:
         """Build from a config.json dict (transformers 4.x or 5.x keys)."""
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise LoadError(
-                "unsupported_arch",
+            raise CeleryTPError(
+                ErrorKind.UNSUPPORTED_ARCH,
                 f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}",
             )
         if d.get("hidden_act", "silu") != "silu":
-            raise LoadError("unsupported_arch", f"hidden_act {d['hidden_act']!r} is not silu")
+            raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"hidden_act {d['hidden_act']!r} is not silu")
         if d.get("use_sliding_window"):
-            raise LoadError("unsupported_arch", "sliding-window attention is not supported")
+            raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, "sliding-window attention is not supported")
         try:
             num_heads = d["num_attention_heads"]
             hidden = d["hidden_size"]
@@ -97,7 +97,7 @@ class ModelConfig:
                 eos_token_ids=id_tuple(d.get("eos_token_id")),
             )
         except KeyError as exc:
-            raise LoadError("load_failed", f"config is missing {exc.args[0]!r}") from exc
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"config is missing {exc.args[0]!r}") from exc
 
 
 def id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
@@ -112,7 +112,7 @@ def rope_config(d: dict[str, Any]) -> RopeConfig:
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise LoadError("unsupported_arch", f"rope type {rope_type!r} is not one of {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"rope type {rope_type!r} is not one of {', '.join(SUPPORTED_ROPE_TYPES)}")
     factors = d.get("rope_freq_factors")
     return RopeConfig(
         theta=float(theta),
@@ -126,8 +126,8 @@ def rope_config(d: dict[str, Any]) -> RopeConfig:
 
 
 def require_positive(config: object, *names: str) -> None:
-    """Raise LoadError naming the first of `names` that is not a positive integer on `config`."""
+    """Raise CeleryTPError naming the first of `names` that is not a positive integer on `config`."""
     for name in names:
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
-            raise LoadError("load_failed", f"config {name} must be a positive integer, got {value!r}")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"config {name} must be a positive integer, got {value!r}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.layers.rotary import RopeConfig
-from celerytp.loading.errors import LoadError
 from celerytp.models.config import DEFAULT_MAX_CONTEXT, ModelConfig, id_tuple, require_positive, rope_config
 
 # model_type in config.json -> what it is. `qwen3_5` and `qwen3_5_moe` are the multimodal
@@ -77,20 +77,20 @@ class HybridConfig:
             "linear_value_head_dim", "linear_conv_kernel_dim", "chunk_size",
         )
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
-            raise LoadError(
-                "load_failed",
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED,
                 f"layer_types must list {self.num_layers} of {LAYER_TYPES}, got {list(self.layer_types)}",
             )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise LoadError(
-                "load_failed", f"rotary dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED, f"rotary dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
             )
         if self.moe_layers and not (self.num_experts and self.num_experts_per_tok and self.moe_intermediate_size):
-            raise LoadError("load_failed", "MoE layers need num_experts, num_experts_per_tok and moe_intermediate_size")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, "MoE layers need num_experts, num_experts_per_tok and moe_intermediate_size")
         dense = [i for i in range(self.num_layers) if i not in self.moe_layers]
         if dense and self.intermediate_size < 1:
-            raise LoadError(
-                "load_failed", f"layers {dense} are dense but intermediate_size is {self.intermediate_size}"
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED, f"layers {dense} are dense but intermediate_size is {self.intermediate_size}"
             )
 
     @property
@@ -106,17 +106,17 @@ class HybridConfig:
         """Build from config.json; for the multimodal types, from its `text_config`."""
         model_type = d.get("model_type")
         if model_type not in HYBRID_MODEL_TYPES:
-            raise LoadError("unsupported_arch", f"model_type {model_type!r} is not one of {HYBRID_MODEL_TYPES}")
+            raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {model_type!r} is not one of {HYBRID_MODEL_TYPES}")
         nested = model_type in ("qwen3_5", "qwen3_5_moe")
         text = dict(d.get("text_config") or {}) if nested else d
         if nested and not text:
-            raise LoadError("load_failed", f"model_type {model_type!r} config has no text_config")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"model_type {model_type!r} config has no text_config")
         if text.get("hidden_act", "silu") != "silu":
-            raise LoadError("unsupported_arch", f"hidden_act {text['hidden_act']!r} is not silu")
+            raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"hidden_act {text['hidden_act']!r} is not silu")
         try:
             return cls._from_text_config(model_type, text, d, nested)
         except KeyError as exc:
-            raise LoadError("load_failed", f"config is missing {exc.args[0]!r}") from exc
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"config is missing {exc.args[0]!r}") from exc
 
     @classmethod
     def _from_text_config(cls, model_type: str, t: dict[str, Any], top: dict[str, Any], nested: bool) -> HybridConfig:

@@ -6,9 +6,9 @@ import os
 
 import torch
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.loading import Checkpoint, open_checkpoint
-from celerytp.loading.errors import LoadError
 from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.config import ModelConfig
 from celerytp.models.hybrid_config import HybridConfig, config_from_hf
@@ -42,9 +42,9 @@ def load_model(
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file).
 
-    Raises LoadError("unsupported_arch") for paths and architectures we cannot run and
-    LoadError("load_failed") for broken checkpoints or impossible splits. `quant` names the
-    ggml format to keep linears in (LoadError("bad_request") if unknown or not executable);
+    Raises CeleryTPError(ErrorKind.UNSUPPORTED_ARCH) for paths and architectures we cannot run and
+    CeleryTPError(ErrorKind.LOAD_FAILED) for broken checkpoints or impossible splits. `quant` names the
+    ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if unknown or not executable);
     None keeps a GGUF file's own type (see celerytp/quant/plan.py) and leaves others float.
     """
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
@@ -57,7 +57,7 @@ def load_model(
         finish_loading(model)
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
-            raise LoadError("load_failed", f"missing: {not_loaded}; unexpected: []")
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
     return model.eval()
 
 
@@ -75,12 +75,12 @@ def build_model(
     """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks."""
     model_cls = MODEL_REGISTRY.get(config.model_type)
     if model_cls is None:
-        raise LoadError("unsupported_arch", f"model_type {config.model_type!r} has no implementation")
+        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {config.model_type!r} has no implementation")
     if max_context is None:
         max_context = config.default_max_context
     if not 1 <= max_context <= config.max_position_embeddings:
-        raise LoadError(
-            "load_failed",
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
             f"max_context {max_context} must be within 1..max_position_embeddings {config.max_position_embeddings}",
         )
     options = BuildOptions(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from celerytp.loading.errors import LoadError
+from celerytp.core.errors import CeleryTPError, ErrorKind
 
 T = GGMLQuantizationType
 # Canonical name -> ggml type. Names are matched case-insensitively, underscores optional.
@@ -74,15 +74,15 @@ class QuantFormat:
 
 
 def parse_quant(name: str) -> QuantFormat:
-    """The format a `quant` string names; LoadError("bad_request") for unknown or unexecutable names."""
+    """The format a `quant` string names; CeleryTPError(ErrorKind.BAD_REQUEST) for unknown or unexecutable names."""
     canonical = _BY_KEY.get(name.strip().lower().replace("_", ""))
     if canonical is None:
-        raise LoadError(
-            "bad_request", f"unknown quant {name!r}; accepted (case-insensitive, '_' optional): {', '.join(ACCEPTED_NAMES)}"
+        raise CeleryTPError(
+            ErrorKind.BAD_REQUEST, f"unknown quant {name!r}; accepted (case-insensitive, '_' optional): {', '.join(ACCEPTED_NAMES)}"
         )
     if canonical not in EXECUTABLE:
-        raise LoadError(
-            "bad_request",
+        raise CeleryTPError(
+            ErrorKind.BAD_REQUEST,
             f"quant {name!r} ({canonical}) is a ggml type this version cannot execute; executable: {', '.join(EXECUTABLE)}",
         )
     return QuantFormat.of(canonical)

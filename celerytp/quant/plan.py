@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint
-from celerytp.loading.errors import LoadError
 from celerytp.quant.formats import QuantFormat, parse_quant
 
 # Architectures whose every linear takes BuildOptions.quant (others would silently ignore it).
@@ -19,7 +19,7 @@ _LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
 def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dtype: torch.dtype) -> QuantFormat | None:
     """The storage format of this load's linears; None = plain weights in the compute dtype.
 
-    `quant` names a format (LoadError "bad_request" if unknown or not executable). None keeps
+    `quant` names a format (CeleryTPError "bad_request" if unknown or not executable). None keeps
     a GGUF file's type when all its linear weights share one executable block type; mixed or
     other types are dequantized as before (pass `quant` to requantize them).
     """
@@ -30,8 +30,8 @@ def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dt
     if fmt is None or fmt.float_dtype == dtype:
         return None  # f32 on a float32 load (or bf16 on bf16) is the plain, unquantized model
     if model_type not in QUANT_MODEL_TYPES:
-        raise LoadError(
-            "bad_request", f"quant {fmt.name!r} is not supported for model_type {model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})"
+        raise CeleryTPError(
+            ErrorKind.BAD_REQUEST, f"quant {fmt.name!r} is not supported for model_type {model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})"
         )
     return fmt
 

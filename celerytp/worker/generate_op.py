@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import redis
 
-from celerytp import protocol as p
-from celerytp.engine import FusedGeneration, Rank0Hooks, Row, make_rows
-from celerytp.keys import cancel_key, stream_key
-from celerytp.protocol import ErrorKind
-from celerytp.tokenizer import load_tokenizer
-from celerytp.worker.model_ops import LoadedModel, model_entry
-from celerytp.worker.state import RankError, RankState, handles
-
-log = logging.getLogger(__name__)
+from celerytp.core import protocol as p
+from celerytp.core.keys import cancel_key, stream_key
+from celerytp.core.sampling import SamplingParams
+from celerytp.core.tokenizer import load_tokenizer
+from celerytp.core.validation import bad_request, check_tokens, sampling_params
+from celerytp.worker.fused import FusedGeneration, Rank0Hooks, Row, make_rows
+from celerytp.worker.loaded_model import LoadedModel
+from celerytp.worker.model_ops import model_entry
+from celerytp.worker.state import RankState
 
 STREAM_TTL_S = 600
 CANCEL_CHECK_S = 0.05  # how often rank 0 looks for cancellations (a Redis round trip)
@@ -58,53 +57,34 @@ class RedisHooks(Rank0Hooks):
         return self._cancelled & {row.request_id for row in rows}
 
 
-def _validate(entry: LoadedModel, request: p.GenerateRequest) -> None:
+def _validate(entry: LoadedModel, request: p.GenerateRequest) -> list[SamplingParams]:
     """The same checks give the same answer on every rank, so no rank enters the loop alone."""
     model = entry.model
     if len(request.requests) > model.max_batch:
-        raise RankError(
-            ErrorKind.BAD_REQUEST,
-            f"field 'requests': {len(request.requests)} requests exceed the model's {model.max_batch} batch rows",
-        )
+        raise bad_request("requests", f"{len(request.requests)} requests exceed the model's {model.max_batch} batch rows")
     ids = [spec.request_id for spec in request.requests]
     if len(set(ids)) != len(ids):
-        raise RankError(ErrorKind.BAD_REQUEST, "field 'requests': request ids repeat")
-    vocab = model.config.vocab_size
+        raise bad_request("requests", "request ids repeat")
+    params = []
     for i, spec in enumerate(request.requests):
-        if len(spec.prompt) > model.max_context:
-            raise RankError(
-                ErrorKind.BAD_REQUEST,
-                f"field 'requests.{i}.prompt': {len(spec.prompt)} tokens exceed the context limit {model.max_context}",
-            )
-        if max(spec.prompt) >= vocab:
-            raise RankError(ErrorKind.BAD_REQUEST, f"field 'requests.{i}.prompt': ids outside the vocabulary of {vocab}")
+        check_tokens(spec.prompt, max_context=model.max_context, vocab_size=model.config.vocab_size, field=f"requests.{i}.prompt")
+        params.append(sampling_params(spec.sampling, field=f"requests.{i}.sampling"))
+    return params
 
 
-@handles("generate", collective=True)
 def generate(state: RankState, request: p.GenerateRequest) -> p.GenerateResult:
     entry = model_entry(state, request.model_id)
-    _validate(entry, request)
-    specs = [spec.model_dump() for spec in request.requests]
-    leader = state.rank == 0
+    params = _validate(entry, request)
+    is_sampler = state.rank == 0
     decode = None
-    if leader and any(spec["stop"] for spec in specs):
+    if is_sampler and any(spec.stop for spec in request.requests):
         decode = load_tokenizer(entry.path).decode
-    try:
-        rows = make_rows(specs, entry.model.max_context, decode, leader=leader)
-    except ValueError as exc:
-        raise RankError(ErrorKind.BAD_REQUEST, f"field 'sampling': {exc}") from None
+    rows = make_rows(request.requests, params, entry.model.max_context, decode, is_sampler=is_sampler)
     entry.reset_sequence()  # the batch reuses the cache rows step mode works in
-    streamed = {spec["request_id"] for spec in specs if spec["stream"]}
-    hooks = RedisHooks(state.redis, state.config.group, streamed) if leader else None
+    streamed = {spec.request_id for spec in request.requests if spec.stream}
+    hooks = RedisHooks(state.redis, state.config.group, streamed) if is_sampler else None
     started = time.perf_counter()
-    try:
-        results = state.collective(FusedGeneration(entry.model, state.tp, rows, hooks).run)
-    except RankError:
-        raise
-    except Exception as exc:
-        log.exception("fused generation failed")
-        raise RankError(ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+    results = state.run_model(FusedGeneration(entry.model, state.tp, rows, hooks).run)
     return p.GenerateResult(
         rank=state.rank, model_id=request.model_id, rows=results or [], total_s=time.perf_counter() - started
     )
-

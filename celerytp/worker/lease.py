@@ -11,7 +11,8 @@ import time
 
 import redis
 
-from celerytp.keys import owner_key
+from celerytp.core.keys import owner_key
+from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,6 @@ if holder == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 if holder == false then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) return 1 end
 return 0
 """
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 class RankTaken(Exception):
@@ -61,6 +61,6 @@ class RankLease:
     def release(self) -> None:
         self._stop.set()
         try:
-            self._redis.eval(_RELEASE, 1, self._key, self._value)
+            self._redis.eval(RELEASE_IF_HOLDER, 1, self._key, self._value)
         except redis.RedisError as exc:
             log.warning("could not release %s: %s", self._key, exc)

@@ -7,11 +7,9 @@ import sys
 
 import redis
 
-from celerytp import protocol
-from celerytp.app import make_app, queue_name
+from celerytp.core.app import make_app, queue_name
 from celerytp.worker.config import RankConfig
 from celerytp.worker.lease import RankLease, RankTaken
-from celerytp.worker.tasks import register_tasks, set_rank_state
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +27,12 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     except redis.RedisError as exc:
         print(f"celerytp worker: cannot reach Redis at {config.broker_url}: {exc}", file=sys.stderr)
         return 2
-    # Imports torch and the models: only rank workers pay for them. model_ops registers its handlers.
-    from celerytp.worker import generate_op, model_ops  # noqa: F401
+    # Imports torch and the models: only rank workers pay for them.
     from celerytp.worker.state import RankState
+    from celerytp.worker.tasks import register_tasks
 
-    set_rank_state(RankState(config))
     app = make_app(config.broker_url, config.group, config.world_size)
-    register_tasks(app, sorted(protocol.REQUESTS))
+    register_tasks(app, RankState(config))
     argv = [
         "worker",
         "--queues", queue_name(config.group, config.rank),

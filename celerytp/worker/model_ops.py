@@ -2,56 +2,28 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from celerytp import protocol as p
-from celerytp.keys import load_progress_key
-from celerytp.loading import default_model_path
-from celerytp.models import CausalLM, LoadError, load_model
-from celerytp.protocol import ErrorKind
-from celerytp.sampling import SamplingParams, make_generator, sample_next, token_logprob, top_logprobs
-from celerytp.worker.state import RankError, RankState, handles, rss_bytes
+from celerytp.core import protocol as p
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.keys import load_progress_key
+from celerytp.core.model_files import default_model_path
+from celerytp.core.sampling import SamplingParams
+from celerytp.core.validation import bad_request, check_tokens, sampling_params
+from celerytp.models import load_model
+from celerytp.worker.loaded_model import LoadedModel, release_memory
+from celerytp.worker.sampling import make_generator, sample_next, token_logprob, top_logprobs
+from celerytp.worker.state import RankState, rss_bytes
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedModel:
-    """A model shard and what its sequence needs between steps."""
-
-    model: CausalLM
-    path: str
-    history: list[int] = field(default_factory=list)  # tokens in the KV cache (repetition penalty)
-    generator: torch.Generator | None = None
-    generator_seed: int | None = None
-
-    def reset_sequence(self) -> None:
-        """Forget step mode's sequence (the cache rows are about to be reused)."""
-        self.model.clear_cache()
-        self.history.clear()
-        self.generator, self.generator_seed = None, None
-
-
-def release_memory() -> None:
-    """Return freed heap to the OS, so an unload shows in the RSS."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
 
 
 def confine(path: str, roots: tuple[str, ...]) -> Path:
@@ -60,10 +32,10 @@ def confine(path: str, roots: tuple[str, ...]) -> Path:
     allowed = [Path(r).expanduser().resolve() for r in roots]
     try:
         allowed.append(Path(default_model_path()).resolve().parent)
-    except LoadError:
+    except CeleryTPError:
         pass
     if not any(real == root or root in real.parents for root in allowed):
-        raise RankError(ErrorKind.BAD_REQUEST, f"field 'path': {path} is outside the model roots {[str(r) for r in allowed]}")
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'path': {path} is outside the model roots {[str(r) for r in allowed]}")
     return real
 
 
@@ -92,14 +64,13 @@ class ProgressReporter:
 def model_entry(state: RankState, model_id: str) -> LoadedModel:
     entry = state.models.get(model_id)
     if entry is None:
-        raise RankError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded (loaded: {sorted(state.models)})")
+        raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded (loaded: {sorted(state.models)})")
     return entry
 
 
-@handles("load", collective=True)
 def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     if request.model_id in state.models:
-        raise RankError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
+        raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
     dtype_name = request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
     started = time.monotonic()
     model, failure = None, None
@@ -111,19 +82,17 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
             progress=ProgressReporter(state, request.model_id),
             quant=request.quant,
         )
-    except RankError as exc:
+    except CeleryTPError as exc:
         failure = exc
-    except LoadError as exc:
-        failure = RankError(ErrorKind(exc.kind), exc.message)
     except Exception as exc:  # a broken file must not take the worker down
         log.exception("load of %s failed", request.model_id)
-        failure = RankError(ErrorKind.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+        failure = CeleryTPError(ErrorKind.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
     # All ranks or none: every rank learns whether every rank succeeded, then commits or rolls back.
     ok = torch.tensor([0 if failure else 1], dtype=torch.int64, device=state.device)
     state.collective(lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN))
     state.redis.delete(load_progress_key(state.config.group, request.model_id))
     if failure is None and int(ok.item()) == 0:
-        failure = RankError(ErrorKind.LOAD_FAILED, "rolled back: the load failed on another rank")
+        failure = CeleryTPError(ErrorKind.LOAD_FAILED, "rolled back: the load failed on another rank")
     if failure is not None:
         del model
         release_memory()
@@ -144,24 +113,16 @@ def _check_step(entry: LoadedModel, request: p.StepRequest) -> SamplingParams:
     """Refuse what would corrupt the cache; the same checks give the same answer on every rank."""
     model = entry.model
     if request.offset not in (0, model.cache_len):
-        raise RankError(
-            ErrorKind.BAD_REQUEST,
-            f"field 'offset': {request.offset} does not match the {model.cache_len} tokens in the KV cache (0 starts over)",
+        raise bad_request(
+            "offset", f"{request.offset} does not match the {model.cache_len} tokens in the KV cache (0 starts over)"
         )
-    end = request.offset + len(request.tokens)
-    if end > model.max_context:
-        raise RankError(ErrorKind.BAD_REQUEST, f"field 'tokens': {end} tokens exceed the context limit {model.max_context}")
-    vocab = model.config.vocab_size
-    bad = [t for t in request.tokens if t >= vocab]
-    if bad:
-        raise RankError(ErrorKind.BAD_REQUEST, f"field 'tokens': ids {bad[:5]} are outside the vocabulary of {vocab}")
-    try:
-        return SamplingParams.from_dict(request.sampling or {})
-    except (TypeError, ValueError) as exc:
-        raise RankError(ErrorKind.BAD_REQUEST, f"field 'sampling': {exc}") from None
+    check_tokens(
+        request.tokens, max_context=model.max_context, vocab_size=model.config.vocab_size, field="tokens",
+        offset=request.offset,
+    )
+    return sampling_params(request.sampling)
 
 
-@handles("step", collective=True)
 def step(state: RankState, request: p.StepRequest) -> p.StepResult:
     entry = model_entry(state, request.model_id)
     params = _check_step(entry, request)
@@ -170,13 +131,7 @@ def step(state: RankState, request: p.StepRequest) -> p.StepResult:
         entry.reset_sequence()
     tokens = torch.tensor(request.tokens, dtype=torch.long, device=state.device)
     started = time.perf_counter()
-    try:
-        logits = state.collective(lambda: model.forward_tokens(tokens, request.offset, last_only=True))  # (1, vocab)
-    except RankError:
-        raise
-    except Exception as exc:
-        log.exception("forward failed")
-        raise RankError(ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
+    logits = state.run_model(lambda: model.forward_tokens(tokens, request.offset, last_only=True))  # (1, vocab)
     entry.history.extend(request.tokens)
     reply = p.StepResult(
         rank=state.rank, model_id=request.model_id, cache_len=model.cache_len, compute_s=time.perf_counter() - started
@@ -197,7 +152,6 @@ def step(state: RankState, request: p.StepRequest) -> p.StepResult:
     )
 
 
-@handles("clear_kv_cache", collective=False)
 def clear_kv_cache(state: RankState, request: p.ClearKVCacheRequest) -> p.Cleared:
     entry = model_entry(state, request.model_id)
     entry.model.clear_cache()
@@ -205,7 +159,6 @@ def clear_kv_cache(state: RankState, request: p.ClearKVCacheRequest) -> p.Cleare
     return p.Cleared(rank=state.rank, model_id=request.model_id)
 
 
-@handles("unload", collective=False)
 def unload(state: RankState, request: p.UnloadRequest) -> p.Unloaded:
     model_entry(state, request.model_id)
     del state.models[request.model_id]

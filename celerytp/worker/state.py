@@ -1,11 +1,9 @@
-"""Per-process rank state: the process group, the op order check, and the op handlers."""
+"""Per-process rank state: device, process group, the op order check, loaded models."""
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,23 +13,14 @@ import redis
 import torch
 import torch.distributed as dist
 
-from celerytp import protocol as p
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.keys import rendezvous_prefix
 from celerytp.distributed.store import RedisStore
 from celerytp.distributed.tp import TPContext
-from celerytp.keys import rendezvous_prefix
-from celerytp.protocol import ErrorKind
 from celerytp.worker.config import RankConfig
+from celerytp.worker.loaded_model import LoadedModel
 
 log = logging.getLogger(__name__)
-
-
-class RankError(Exception):
-    """An expected failure, answered as an `error` reply."""
-
-    def __init__(self, kind: ErrorKind, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
 
 
 def rss_bytes() -> int:
@@ -46,30 +35,16 @@ def resolve_device(spec: str, rank: int) -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RankError(ErrorKind.DEVICE_UNAVAILABLE, f"{spec} requested but CUDA is not available")
+            raise CeleryTPError(ErrorKind.DEVICE_UNAVAILABLE, f"{spec} requested but CUDA is not available")
         if (device.index or 0) >= torch.cuda.device_count():
-            raise RankError(ErrorKind.DEVICE_UNAVAILABLE, f"{spec} requested but {torch.cuda.device_count()} GPU(s) exist")
+            raise CeleryTPError(ErrorKind.DEVICE_UNAVAILABLE, f"{spec} requested but {torch.cuda.device_count()} GPU(s) exist")
     elif device.type != "cpu":
-        raise RankError(ErrorKind.DEVICE_UNAVAILABLE, f"unsupported device {spec!r}")
+        raise CeleryTPError(ErrorKind.DEVICE_UNAVAILABLE, f"unsupported device {spec!r}")
     return device
 
 
 # Words by which gloo/NCCL failures that are not typed DistError show themselves.
 _COLLECTIVE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer")
-
-Handler = Callable[["RankState", Any], p.Reply]
-HANDLERS: dict[str, tuple[Handler, bool]] = {}
-
-
-def handles(op: str, collective: bool) -> Callable[[Handler], Handler]:
-    """Register a handler; `collective` ops first agree on the op sequence across ranks."""
-
-    def register(fn: Handler) -> Handler:
-        HANDLERS[op] = (fn, collective)
-        return fn
-
-    return register
-
 
 class RankState:
     """Everything one rank keeps between tasks: device, process group, loaded models."""
@@ -83,38 +58,20 @@ class RankState:
         self.group_broken: str | None = None
         self.last_seq = 0
         self.tp = TPContext(config.rank, config.world_size)
-        self.models: dict[str, Any] = {}
+        self.models: dict[str, LoadedModel] = {}
         try:
             self.device = resolve_device(config.device, config.rank)
-        except RankError as exc:
+        except CeleryTPError as exc:
             log.error("%s", exc)
             self.device = None
         threads = config.threads or max(1, (os.cpu_count() or 1) // config.world_size)
         torch.set_num_threads(threads)
 
-    # ---- entry point ------------------------------------------------------------------
-
-    def handle(self, op: str, data: Any) -> dict:
-        """Run one op and return its JSON reply; never raises for expected failures."""
-        try:
-            request = p.parse_request(data, expected_op=op)
-            handler, collective = HANDLERS[op]
-            self.check_order(request.seq, collective)
-            reply = handler(self, request)
-        except p.ProtocolError as exc:
-            return p.error_reply(self.rank, exc.kind, exc.message)
-        except RankError as exc:
-            return p.error_reply(self.rank, exc.kind, exc.message)
-        except Exception as exc:  # the worker must survive whatever an op raises
-            log.exception("op %s failed", op)
-            return p.error_reply(self.rank, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
-        return reply.model_dump(mode="json")
-
     # ---- ordering ---------------------------------------------------------------------
 
     def check_order(self, seq: int, collective: bool) -> None:
         if seq <= self.last_seq:
-            raise RankError(ErrorKind.OUT_OF_ORDER, f"op seq {seq} arrived after seq {self.last_seq} (stale or repeated)")
+            raise CeleryTPError(ErrorKind.OUT_OF_ORDER, f"op seq {seq} arrived after seq {self.last_seq} (stale or repeated)")
         self.last_seq = seq
         if collective:
             self.require_group()
@@ -126,7 +83,7 @@ class RankState:
         self.collective(lambda: dist.all_reduce(bounds, op=dist.ReduceOp.MAX))
         highest, lowest = int(bounds[0]), -int(bounds[1])
         if highest != seq or lowest != seq:
-            raise RankError(
+            raise CeleryTPError(
                 ErrorKind.OUT_OF_ORDER,
                 f"ranks disagree on the op: this rank runs seq {seq}, the group spans seq {lowest}..{highest}",
             )
@@ -135,9 +92,9 @@ class RankState:
 
     def require_group(self) -> None:
         if self.group_broken:
-            raise RankError(ErrorKind.NOT_INITIALISED, f"process group is broken ({self.group_broken}); init with a new comm_id")
+            raise CeleryTPError(ErrorKind.NOT_INITIALISED, f"process group is broken ({self.group_broken}); init with a new comm_id")
         if self.comm_id is None or not dist.is_initialized():
-            raise RankError(ErrorKind.NOT_INITIALISED, "no process group: send init first")
+            raise CeleryTPError(ErrorKind.NOT_INITIALISED, "no process group: send init first")
 
     def collective(self, fn: Callable[[], Any]) -> Any:
         """Run code that enters collectives; a timeout or a lost peer marks the group broken."""
@@ -149,7 +106,17 @@ class RankState:
                 raise  # an ordinary failure of the code, not of the group
             self.group_broken = text.splitlines()[0][:200] if text else type(exc).__name__
             kind = ErrorKind.TIMEOUT if "timed out" in text.lower() or "timeout" in text.lower() else ErrorKind.RANK_LOST
-            raise RankError(kind, f"collective failed: {self.group_broken}") from exc
+            raise CeleryTPError(kind, f"collective failed: {self.group_broken}") from exc
+
+    def run_model(self, fn: Callable[[], Any]) -> Any:
+        """Run model code (forwards and their collectives); any failure of it is forward_failed."""
+        try:
+            return self.collective(fn)
+        except CeleryTPError:
+            raise
+        except Exception as exc:
+            log.exception("forward failed")
+            raise CeleryTPError(ErrorKind.FORWARD_FAILED, f"{type(exc).__name__}: {exc}") from exc
 
     def form_group(self, comm_id: str, timeout_s: float) -> str:
         if self.device is None:
@@ -164,7 +131,7 @@ class RankState:
                 timeout=timedelta(seconds=timeout_s), **kwargs,
             )
         except Exception as exc:
-            raise RankError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
+            raise CeleryTPError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
         self.comm_id = comm_id
         self.group_broken = None
         return backend
@@ -176,40 +143,3 @@ class RankState:
             except Exception as exc:
                 log.warning("destroying the old process group: %s", exc)
         self.comm_id = None
-
-
-# ---- foundation ops ---------------------------------------------------------------------
-
-
-@handles("ping", collective=False)
-def ping(state: RankState, request: p.PingRequest) -> p.Pong:
-    device = str(state.device) if state.device is not None else f"unavailable:{state.config.device}"
-    return p.Pong(
-        rank=state.rank, world_size=state.world_size, device=device, comm_id=state.comm_id,
-        rss_bytes=rss_bytes(),
-    )
-
-
-@handles("init", collective=False)
-def init(state: RankState, request: p.InitRequest) -> p.InitOk:
-    if state.comm_id == request.comm_id and not state.group_broken and dist.is_initialized():
-        return p.InitOk(rank=state.rank, comm_id=request.comm_id, backend=dist.get_backend())
-    backend = state.form_group(request.comm_id, request.timeout_s)
-    return p.InitOk(rank=state.rank, comm_id=request.comm_id, backend=backend)
-
-
-@handles("sanity_check", collective=True)
-def sanity_check(state: RankState, request: p.SanityCheckRequest) -> p.SanityResult:
-    one = torch.ones(1, dtype=torch.int64, device=state.device)
-    state.collective(lambda: dist.all_reduce(one))
-    observed = int(one.item())
-    if observed != state.world_size:
-        raise RankError(ErrorKind.SANITY_FAILED, f"all-reduce of 1 gave {observed}, expected {state.world_size}")
-    return p.SanityResult(rank=state.rank, observed_sum=observed)
-
-
-@handles("shutdown", collective=False)
-def shutdown(state: RankState, request: p.ShutdownRequest) -> p.Bye:
-    # Give the reply time to reach the result backend, then ask the worker for a warm stop.
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    return p.Bye(rank=state.rank)

@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import Celery, Task
 
-log = logging.getLogger(__name__)
-
-GATHER_TASK = "celerytp.gather"
-
-_state = None
-
-
-def set_rank_state(state) -> None:
-    """Install the process's RankState (built by `run_worker` before Celery starts)."""
-    global _state
-    _state = state
-
-
-def rank_state():
-    if _state is None:
-        raise RuntimeError("this process is not a rank worker: no rank state installed")
-    return _state
-
-
-def op_task_name(op: str) -> str:
-    return f"celerytp.rank.{op}"
+from celerytp.core.app import GATHER_TASK, op_task_name
+from celerytp.worker.handlers import HANDLERS, handle
+from celerytp.worker.state import RankState
 
 
 def gather(replies: list[dict[str, Any]]) -> dict[str, Any]:
@@ -61,12 +42,12 @@ class InlineChordBody(Task):
         return self.AsyncResult(task_id)
 
 
-def register_tasks(app: Celery, ops: list[str]) -> None:
+def register_tasks(app: Celery, state: RankState) -> None:
     """Register one task per op (stable names for Flower) and the gather body."""
-    for op in ops:
+    for op in HANDLERS:
 
         def run(request: Any, _op: str = op) -> dict:
-            return rank_state().handle(_op, request)
+            return handle(state, _op, request)
 
         app.task(name=op_task_name(op), ignore_result=False)(run)
     app.task(name=GATHER_TASK, base=InlineChordBody)(gather)

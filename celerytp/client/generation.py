@@ -12,20 +12,27 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from celerytp.keys import stream_key
-from celerytp.protocol import ErrorKind, RowResult
-from celerytp.sampling import SamplingParams
-from celerytp.stopping import StopChecker, cut_at_stop
-from celerytp.tokenizer import Tokenizer, load_tokenizer
+import redis
 
-if TYPE_CHECKING:
-    from celerytp.leader import Leader
+from celerytp.core.keys import stream_key
+from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_message
+from celerytp.core.sampling import SamplingParams
+from celerytp.core.stopping import StopChecker, cut_at_stop
+from celerytp.core.tokenizer import Tokenizer, load_tokenizer
+from celerytp.core.validation import bad_request, check_tokens, prefill_chunks, sampling_params
 
 DEFAULT_MAX_TOKENS = 256
-PREFILL_CHUNK = 512
 MODES = ("fused", "step")
+
+
+class StepFn(Protocol):
+    """One step chord of a model: `Leader.step` with the model bound."""
+
+    def __call__(
+        self, tokens: list[int], offset: int, sampling: SamplingParams | None = None, *, sample: bool = True
+    ) -> StepResult: ...
 
 
 @dataclass
@@ -68,24 +75,20 @@ class Prepared:
     started: float
 
 
-def _error(kind: ErrorKind, message: str) -> Exception:
-    from celerytp.leader import CeleryTPError, RankFailure
-
-    return CeleryTPError("generate", [RankFailure(None, kind, message)])
-
-
 def prompt_ids(tokenizer: Tokenizer, prompt: str | None, messages: list[dict] | None) -> list[int]:
     if (prompt is None) == (messages is None):
-        raise ValueError("give exactly one of prompt and messages")
-    ids = tokenizer.apply_chat_template(messages) if messages is not None else tokenizer.encode(prompt)
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens")
-    return ids
+        raise bad_request("prompt", "give exactly one of prompt and messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages", "a non-empty list of {role, content} objects is required")
+        return tokenizer.apply_chat_template(messages)
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("prompt", "a non-empty string is required")
+    return tokenizer.encode(prompt)
 
 
 def prepare(
-    leader: Leader,
-    model_id: str,
+    record: dict[str, Any],
     prompt: str | None = None,
     messages: list[dict] | None = None,
     max_tokens: int | None = None,
@@ -99,30 +102,26 @@ def prepare(
     stream: bool = False,
     ignore_eos: bool = False,
 ) -> Prepared:
-    """Tokenize and check a request on the leader, so the ranks rarely see a bad one.
+    """Tokenize and check a request on the leader against the loaded model's `record`.
 
-    `ignore_eos` generates on past EOS to max_tokens (benchmarks, like vLLM's option).
+    Bad arguments raise CeleryTPError(bad_request) naming the field, checked as the ranks
+    check them. `ignore_eos` generates on past EOS to max_tokens (benchmarks, like vLLM's option).
     """
     started = time.perf_counter()
-    record = leader.models().get(model_id)
-    if record is None:
-        raise _error(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded")
     tokenizer = load_tokenizer(record["path"])
     ids = prompt_ids(tokenizer, prompt, messages)
-    if len(ids) > record["max_context"]:
-        raise _error(ErrorKind.BAD_REQUEST, f"the prompt's {len(ids)} tokens exceed the context limit {record['max_context']}")
+    check_tokens(ids, max_context=record["max_context"], vocab_size=record["vocab_size"], field="prompt")
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty, "seed": seed}
-    params = SamplingParams.from_dict({**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    stops = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
+    params = sampling_params({**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
+    stops = [stop] if isinstance(stop, str) else stop
     spec = {
-        "request_id": request_id or uuid.uuid4().hex, "prompt": ids, "max_tokens": max_tokens,
-        "sampling": params.to_dict(), "stop": stops, "stream": stream,
-        "eos_token_ids": [] if ignore_eos else sorted(tokenizer.eos_token_ids),
+        "request_id": request_id or uuid.uuid4().hex, "prompt": ids,
+        "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        "sampling": params.to_dict(), "stop": [s for s in stops if s] if isinstance(stops, list) else stops or [],
+        "stream": stream, "eos_token_ids": [] if ignore_eos else sorted(tokenizer.eos_token_ids),
     }
-    return Prepared(tokenizer, spec, params, stops, started)
+    validate_message(GenSpec, spec, "generate")  # the types and limits every rank checks
+    return Prepared(tokenizer, spec, params, spec["stop"], started)
 
 
 def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
@@ -134,38 +133,26 @@ def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
     )
 
 
-def run_steps(leader: Leader, model_id: str, prepared: Prepared, max_context: int) -> RowResult:
-    """Step mode: chunked prefill, then one step chord per token."""
+def run_steps(step: StepFn, prepared: Prepared, max_context: int) -> RowResult:
+    """Step mode: chunked prefill, then one `step` chord per token."""
     spec, ids = prepared.spec, prepared.spec["prompt"]
-    room = max_context - len(ids) + 1
-    checker = StopChecker(set(spec["eos_token_ids"]), min(spec["max_tokens"], room), prepared.stops, prepared.tokenizer.decode)
+    checker = StopChecker(
+        set(spec["eos_token_ids"]), spec["max_tokens"], len(ids), max_context, prepared.stops, prepared.tokenizer.decode
+    )
     start = time.perf_counter()
-    offset = 0
-    for i in range(0, len(ids) - PREFILL_CHUNK, PREFILL_CHUNK):  # all chunks but the last: no sample
-        leader.step(model_id, ids[i : i + PREFILL_CHUNK], offset, sample=False)
-        offset += PREFILL_CHUNK
-    reply = leader.step(model_id, ids[offset:], offset, prepared.params)
+    *early, (last_start, _) = prefill_chunks(len(ids))
+    for begin, end in early:  # all chunks but the last: no sample
+        step(ids[begin:end], begin, sample=False)
+    reply = step(ids[last_start:], last_start, prepared.params)
     offset = len(ids)
     first = time.perf_counter()
     while (reason := checker.after(reply.token)) is None:
-        reply = leader.step(model_id, [reply.token], offset, prepared.params)
+        reply = step([reply.token], offset, prepared.params)
         offset += 1
     return RowResult(
         request_id=spec["request_id"], token_ids=checker.token_ids, finish_reason=reason,
         matched_stop=checker.matched, prompt_tokens=len(ids), ttft_s=first - start, decode_s=time.perf_counter() - first,
     )
-
-
-def generate(leader: Leader, model_id: str, mode: str = "fused", **request: Any) -> GenerationResult:
-    """Generate one completion; `request` holds prepare()'s options."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    prepared = prepare(leader, model_id, **request)
-    if mode == "step":
-        row = run_steps(leader, model_id, prepared, leader.models()[model_id]["max_context"])
-    else:
-        row = leader.submit(model_id, prepared.spec).result()
-    return finish(prepared, row, mode)
 
 
 class TokenStream:
@@ -175,16 +162,17 @@ class TokenStream:
     could be the start of a stop string.
     """
 
-    def __init__(self, leader: Leader, prepared: Prepared, future: Future):
+    def __init__(self, client: redis.Redis, group: str, prepared: Prepared, future: Future):
         self.request_id = prepared.spec["request_id"]
         self.result: GenerationResult | None = None
         self.ttft_s: float | None = None
-        self._leader = leader
+        self._redis = client
+        self._key = stream_key(group, self.request_id)
         self._prepared = prepared
         self._future = future
 
     def __iter__(self) -> Iterator[str]:
-        client, key = self._leader.redis, stream_key(self._leader.group, self.request_id)
+        client, key = self._redis, self._key
         last, ids, sent = "0-0", [], ""
         done = False
         while not done:

@@ -8,47 +8,22 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from celerytp import generation
-from celerytp import protocol as p
-from celerytp.app import DEFAULT_GROUP, make_app
-from celerytp.batching import Batcher
-from celerytp.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
-from celerytp.keys import cancel_key, models_key, owner_key
-from celerytp.loading import default_model_path
-from celerytp.progress import LoadProgress
-from celerytp.protocol import ErrorKind
-from celerytp.sampling import SamplingParams
-from celerytp.worker.tasks import GATHER_TASK, op_task_name
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    rank: int | None
-    kind: ErrorKind
-    message: str
-
-    def __str__(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else "leader"
-        return f"{who} [{self.kind}]: {self.message}"
-
-
-class CeleryTPError(Exception):
-    """An op failed; `failures` names every failing rank with its kind and message."""
-
-    def __init__(self, op: str, failures: list[RankFailure]):
-        self.op = op
-        self.failures = failures
-        super().__init__(f"{op} failed: " + "; ".join(str(f) for f in failures))
-
-    @property
-    def kinds(self) -> set[ErrorKind]:
-        return {f.kind for f in self.failures}
+from celerytp.client.batching import Batcher
+from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
+from celerytp.client.generation import MODES, GenerationResult, TokenStream, finish, prepare, run_steps
+from celerytp.client.progress import LoadProgress
+from celerytp.core import protocol as p
+from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name
+from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
+from celerytp.core.keys import cancel_key, models_key, owner_key
+from celerytp.core.model_files import default_model_path
+from celerytp.core.sampling import SamplingParams
 
 
 class Leader:
@@ -62,8 +37,8 @@ class Leader:
     """
 
     def __init__(self, broker_url: str, group: str = DEFAULT_GROUP, world_size: int = 1, timeout: float = 60.0):
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, f"world_size must be an integer >= 1, got {world_size!r}")
         self.broker_url = broker_url
         self.group = group
         self.world_size = world_size
@@ -154,7 +129,7 @@ class Leader:
 
     def generate(
         self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, mode: str = "fused", **options
-    ) -> generation.GenerationResult:
+    ) -> GenerationResult:
         """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
         Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
@@ -162,22 +137,34 @@ class Leader:
         `mode="fused"` runs the whole request (batched with concurrent ones) in one chord;
         `mode="step"` drives one step chord per token. Both give the same tokens.
         """
-        return generation.generate(self, model_id, mode, prompt=prompt, messages=messages, **options)
+        if mode not in MODES:
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'mode': one of {MODES} is required, got {mode!r}")
+        record = self._record(model_id)
+        prepared = prepare(record, prompt=prompt, messages=messages, **options)
+        if mode == "step":
+            row = run_steps(partial(self.step, model_id), prepared, record["max_context"])
+        else:
+            row = self.submit(model_id, prepared.spec).result()
+        return finish(prepared, row, mode)
 
-    def stream(
-        self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options
-    ) -> generation.TokenStream:
+    def stream(self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options) -> TokenStream:
         """Like generate (fused), but iterate the returned stream for text deltas as they come.
 
         `stream.request_id` names the request for `cancel`; `stream.result` is the final
         GenerationResult once the iteration ends.
         """
-        prepared = generation.prepare(self, model_id, prompt=prompt, messages=messages, stream=True, **options)
-        return generation.TokenStream(self, prepared, self.submit(model_id, prepared.spec))
+        prepared = prepare(self._record(model_id), prompt=prompt, messages=messages, stream=True, **options)
+        return TokenStream(self.redis, self.group, prepared, self.submit(model_id, prepared.spec))
 
     def cancel(self, request_id: str) -> None:
         """Ask rank 0 to stop a running (or queued) fused request; it ends as "cancelled"."""
         self.redis.set(cancel_key(self.group, request_id), 1, ex=600)
+
+    def _record(self, model_id: str) -> dict[str, Any]:
+        record = self.models().get(model_id)
+        if record is None:
+            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
+        return record
 
     def submit(self, model_id: str, spec: dict[str, Any]) -> Future:
         """Queue one prepared request for the next fused batch; the future gives its RowResult."""
@@ -208,7 +195,7 @@ class Leader:
         `on_wait` is called every few milliseconds while waiting (progress display).
         """
         if op not in p.REQUESTS:
-            raise CeleryTPError(op, [RankFailure(None, ErrorKind.BAD_REQUEST, f"unknown op {op!r}; known: {sorted(p.REQUESTS)}")])
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, f"unknown op {op!r}; known: {sorted(p.REQUESTS)}", op=op)
         timeout = self.timeout if timeout is None else timeout
         with self._local_lock:
             try:
@@ -216,7 +203,7 @@ class Leader:
                     op_task_name(op), lambda seq: {"op": op, "seq": seq, **(fields or {})}, expires=timeout, lock_wait=timeout
                 )
             except DispatchLockTimeout as exc:
-                raise CeleryTPError(op, [RankFailure(None, ErrorKind.TIMEOUT, str(exc))]) from None
+                raise CeleryTPError(ErrorKind.TIMEOUT, str(exc), op=op) from None
             combined = self._wait(op, sent, timeout, on_wait)
         failures = [
             RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
@@ -224,16 +211,16 @@ class Leader:
             if r.get("type") == "error"
         ]
         if failures:
-            raise CeleryTPError(op, failures)
+            raise CeleryTPError.from_failures(op, failures)
         return [p.parse_reply(r) for r in combined["replies"]]
 
     def _wait(self, op: str, sent: PublishedChord, timeout: float, on_wait: Callable[[], None] | None) -> dict:
         try:
             return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_wait)
         except CeleryTimeout:
-            raise CeleryTPError(op, self._unfinished_ranks(sent, timeout)) from None
+            raise CeleryTPError.from_failures(op, self._unfinished_ranks(sent, timeout)) from None
         except Exception as exc:  # a header task raised or its worker died
-            raise CeleryTPError(op, self._failed_ranks(sent, exc)) from None
+            raise CeleryTPError.from_failures(op, self._failed_ranks(sent, exc)) from None
         finally:
             self.redis.delete(self.app.backend.get_key_for_task(sent.body_id))
 

@@ -18,8 +18,9 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celerytp.app import queue_name
-from celerytp.keys import dispatch_lock_key, seq_key
+from celerytp.core.app import queue_name
+from celerytp.core.keys import dispatch_lock_key, seq_key
+from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 
 # One round trip: take the group's dispatch lock, the next op sequence number, and set the
 # chord's size key (what the result backend's `set_chord_size` writes for a fresh group id).
@@ -30,7 +31,6 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
 end
 return 0
 """
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 LOCK_TTL_MS = 30_000  # a leader that dies while publishing frees the group after this
 
@@ -56,7 +56,7 @@ class ChordPublisher:
         self.world_size = world_size
         self.body_task = body_task
         self._acquire = client.register_script(_ACQUIRE)
-        self._release = client.register_script(_RELEASE)
+        self._release = client.register_script(RELEASE_IF_HOLDER)
         self._keys = [dispatch_lock_key(group), seq_key(group)]
 
     def publish(

@@ -19,7 +19,9 @@ class StopChecker:
 
     Args:
         eos_ids: tokens that end it (not recorded).
-        max_tokens: most tokens to record (already capped by the context room).
+        max_tokens: most tokens to record; capped by the context's room after the prompt.
+        prompt_tokens: the prompt's length.
+        max_context: positions the model's cache holds.
         stops: stop strings; need `decode`.
         decode: token ids -> text.
     """
@@ -28,11 +30,14 @@ class StopChecker:
         self,
         eos_ids: set[int],
         max_tokens: int,
+        prompt_tokens: int,
+        max_context: int,
         stops: list[str] | None = None,
         decode: Callable[[list[int]], str] | None = None,
     ):
         self.eos_ids = eos_ids
-        self.max_tokens = max_tokens
+        room = max_context - prompt_tokens + 1  # the last sampled token is never fed back
+        self.max_tokens = min(max_tokens, room)
         self.stops = [s for s in stops or [] if s]
         if self.stops and decode is None:
             raise ValueError("stop strings need a decode function")

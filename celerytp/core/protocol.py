@@ -6,33 +6,20 @@ Every request is a JSON object with `op` and `seq`; every reply is a JSON object
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-
-class ErrorKind(StrEnum):
-    BAD_REQUEST = "bad_request"
-    NOT_INITIALISED = "not_initialised"
-    INIT_FAILED = "init_failed"
-    SANITY_FAILED = "sanity_failed"
-    DEVICE_UNAVAILABLE = "device_unavailable"
-    OUT_OF_ORDER = "out_of_order"
-    TIMEOUT = "timeout"
-    RANK_LOST = "rank_lost"
-    ALREADY_LOADED = "already_loaded"
-    LOAD_FAILED = "load_failed"
-    UNSUPPORTED_ARCH = "unsupported_arch"
-    MODEL_NOT_LOADED = "model_not_loaded"
-    FORWARD_FAILED = "forward_failed"
-    INTERNAL = "internal"
+from celerytp.core.errors import CeleryTPError, ErrorKind
 
 
 class Message(BaseModel):
     """Strict JSON object: unknown fields and wrong types are refused, never coerced."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+M = TypeVar("M", bound=Message)
 
 
 Seq = Annotated[int, Field(ge=1)]
@@ -219,36 +206,20 @@ class ErrorReply(Reply):
     message: str
 
 
-REQUESTS: dict[str, type[Request]] = {}
-REPLIES: dict[str, type[Reply]] = {}
+def _by_tag(classes: tuple[type[Message], ...], tag: str) -> dict[str, type]:
+    return {cls.model_fields[tag].default: cls for cls in classes}
 
 
-def register_request(cls: type[Request]) -> type[Request]:
-    REQUESTS[cls.model_fields["op"].default] = cls
-    return cls
-
-
-def register_reply(cls: type[Reply]) -> type[Reply]:
-    REPLIES[cls.model_fields["type"].default] = cls
-    return cls
-
-
-for _cls in (
-    PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest,
-    LoadRequest, StepRequest, GenerateRequest, ClearKVCacheRequest, UnloadRequest,
-):
-    register_request(_cls)
-for _cls in (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, GenerateResult, Cleared, Unloaded, ErrorReply):
-    register_reply(_cls)
-
-
-class ProtocolError(Exception):
-    """A message that cannot be accepted; `kind` says why in protocol terms."""
-
-    def __init__(self, kind: ErrorKind, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
+REQUESTS: dict[str, type[Request]] = _by_tag(
+    (
+        PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest,
+        LoadRequest, StepRequest, GenerateRequest, ClearKVCacheRequest, UnloadRequest,
+    ),
+    "op",
+)
+REPLIES: dict[str, type[Reply]] = _by_tag(
+    (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, GenerateResult, Cleared, Unloaded, ErrorReply), "type"
+)
 
 
 def _describe(error: ValidationError) -> str:
@@ -260,28 +231,33 @@ def _describe(error: ValidationError) -> str:
 
 
 def parse_request(data: Any, expected_op: str | None = None) -> Request:
-    """Validate a decoded JSON request; raise ProtocolError(bad_request) naming the field."""
+    """Validate a decoded JSON request; raise CeleryTPError(bad_request) naming the field."""
     if not isinstance(data, dict):
-        raise ProtocolError(ErrorKind.BAD_REQUEST, f"request must be a JSON object, got {type(data).__name__}")
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"request must be a JSON object, got {type(data).__name__}")
     op = data.get("op")
     if not isinstance(op, str) or op not in REQUESTS:
-        raise ProtocolError(ErrorKind.BAD_REQUEST, f"field 'op': unknown op {op!r}; known: {sorted(REQUESTS)}")
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'op': unknown op {op!r}; known: {sorted(REQUESTS)}")
     if expected_op is not None and op != expected_op:
-        raise ProtocolError(ErrorKind.BAD_REQUEST, f"field 'op': {op!r} sent to the {expected_op!r} task")
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'op': {op!r} sent to the {expected_op!r} task")
+    return validate_message(REQUESTS[op], data, op)
+
+
+def validate_message(cls: type[M], data: Any, what: str) -> M:
+    """`data` as a `cls` message; CeleryTPError(bad_request) naming each bad field otherwise."""
     try:
-        return REQUESTS[op].model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as exc:
-        raise ProtocolError(ErrorKind.BAD_REQUEST, f"{op}: {_describe(exc)}") from None
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"{what}: {_describe(exc)}") from None
 
 
 def parse_reply(data: Any) -> Reply:
     """Validate a decoded JSON reply (leader side)."""
     if not isinstance(data, dict) or data.get("type") not in REPLIES:
-        raise ProtocolError(ErrorKind.INTERNAL, f"malformed reply: {data!r:.200}")
+        raise CeleryTPError(ErrorKind.INTERNAL, f"malformed reply: {data!r:.200}")
     try:
         return REPLIES[data["type"]].model_validate(data, strict=False)  # JSON has no tuples
     except ValidationError as exc:
-        raise ProtocolError(ErrorKind.INTERNAL, f"malformed {data['type']} reply: {_describe(exc)}") from None
+        raise CeleryTPError(ErrorKind.INTERNAL, f"malformed {data['type']} reply: {_describe(exc)}") from None
 
 
 def error_reply(rank: int, kind: ErrorKind, message: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import time
 import redis
 from tqdm import tqdm
 
-from celerytp.keys import load_progress_key
+from celerytp.core.keys import load_progress_key
 
 
 class LoadProgress:

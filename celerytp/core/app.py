@@ -9,6 +9,12 @@ from kombu import Queue
 
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 DEFAULT_GROUP = "default"
+GATHER_TASK = "celerytp.gather"  # the chord body: orders the rank replies
+
+
+def op_task_name(op: str) -> str:
+    """The rank task of one op (stable names, for Flower and `celery inspect`)."""
+    return f"celerytp.rank.{op}"
 
 
 def queue_name(group: str, rank: int) -> str:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from celerytp.core.protocol import GenSpec, RowResult
+from celerytp.core.sampling import SamplingParams
+from celerytp.core.stopping import StopChecker
+from celerytp.core.validation import PREFILL_CHUNK, prefill_chunks
 from celerytp.distributed.tp import TPContext
 from celerytp.models import CausalLM
-from celerytp.protocol import RowResult
-from celerytp.sampling import SamplingParams, make_generator, sample_next
-from celerytp.stopping import StopChecker
-
-PREFILL_CHUNK = 512
+from celerytp.worker.sampling import make_generator, sample_next
 
 
 @dataclass
@@ -54,12 +54,11 @@ class Rank0Hooks:
         return set()
 
 
-def prefill(model: CausalLM, prompt: list[int], cache_row: int, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+def prefill(model: CausalLM, prompt: list[int], cache_row: int) -> torch.Tensor:
     """Run the prompt into cache row `cache_row` in chunks; return the last position's logits (V,)."""
     model.clear_cache(cache_row)
-    device = model.device
-    for start in range(0, len(prompt), chunk):
-        piece = torch.tensor(prompt[start : start + chunk], dtype=torch.long, device=device)
+    for start, end in prefill_chunks(len(prompt)):
+        piece = torch.tensor(prompt[start:end], dtype=torch.long, device=model.device)
         logits = model.forward_tokens(piece, start, last_only=True, row=cache_row)
     return logits[-1]
 
@@ -79,7 +78,7 @@ class FusedGeneration:
         self.tp = tp
         self.rows = rows
         self.hooks = hooks or Rank0Hooks()
-        self.leader = tp.rank == 0
+        self.is_sampler = tp.rank == 0  # rank 0 samples and decides; the others follow
         self.started = 0.0
 
     def run(self) -> list[RowResult] | None:
@@ -96,12 +95,12 @@ class FusedGeneration:
             tokens = torch.tensor([row.next_token for row in active], dtype=torch.long)
             logits = self.model.forward_decode(tokens, [row.cache_row for row in active])  # (A, V)
             active = self._advance(active, list(logits))
-        return [self._result(row) for row in self.rows] if self.leader else None
+        return [self._result(row) for row in self.rows] if self.is_sampler else None
 
     def _advance(self, active: list[Row], logits: list[torch.Tensor]) -> list[Row]:
         """Rank 0 samples each row and decides who stops; every rank learns it by broadcast."""
         decision = torch.zeros(len(active), 2, dtype=torch.long, device=self.model.device)  # (A, [token, done])
-        if self.leader:
+        if self.is_sampler:
             self._sample(active, logits, decision)
         self.tp.broadcast(decision, src=0)
         still = []
@@ -147,18 +146,19 @@ class FusedGeneration:
 
 
 def make_rows(
-    specs: list[dict], max_context: int, decode: Callable[[list[int]], str] | None = None, leader: bool = True
+    specs: list[GenSpec],
+    params: list[SamplingParams],
+    max_context: int,
+    decode: Callable[[list[int]], str] | None = None,
+    is_sampler: bool = True,
 ) -> list[Row]:
-    """Rows from generate-request specs (prompt, max_tokens, sampling, stop, eos_token_ids).
+    """Rows of validated generate-request specs, in cache rows 0..B-1.
 
-    Only the leader (rank 0) checks stop conditions: other ranks get no stop strings.
-    Raises ValueError naming the field for bad sampling parameters.
+    Only the sampler (rank 0) checks stop strings: the other ranks get none.
     """
     rows = []
-    for cache_row, spec in enumerate(specs):
-        room = max_context - len(spec["prompt"]) + 1  # the last sampled token is never fed
-        stops = (spec.get("stop") or []) if leader else []
-        checker = StopChecker(set(spec.get("eos_token_ids") or ()), min(spec["max_tokens"], room), stops, decode)
-        params = SamplingParams.from_dict(spec.get("sampling") or {})
-        rows.append(Row(spec["request_id"], list(spec["prompt"]), params, checker, cache_row, list(spec["prompt"])))
+    for cache_row, (spec, row_params) in enumerate(zip(specs, params, strict=True)):
+        stops = spec.stop if is_sampler else []
+        checker = StopChecker(set(spec.eos_token_ids), spec.max_tokens, len(spec.prompt), max_context, stops, decode)
+        rows.append(Row(spec.request_id, list(spec.prompt), row_params, checker, cache_row, list(spec.prompt)))
     return rows

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from celerytp.protocol import RowResult
+from celerytp.core.protocol import RowResult
 
 RunBatch = Callable[[str, list[dict[str, Any]]], list[RowResult]]
 

@@ -1,0 +1,1 @@
+"""What the leader and the ranks share: wire protocol, errors, Redis keys, the Celery app. No torch."""
