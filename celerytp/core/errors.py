@@ -20,6 +20,7 @@ class ErrorKind(StrEnum):
     UNSUPPORTED_ARCH = "unsupported_arch"
     MODEL_NOT_LOADED = "model_not_loaded"
     FORWARD_FAILED = "forward_failed"
+    OVERLOADED = "overloaded"
     INTERNAL = "internal"
 
 
