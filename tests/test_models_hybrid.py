@@ -197,17 +197,38 @@ def test_prefill_in_one_call_equals_token_by_token(cases: dict[str, Case]) -> No
     for token in prompt:
         last = model.forward_tokens(token[None], model.cache_len)[-1]
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=0)
-    # The fused engine's decode entry point (one row) continues the same state.
-    model.clear_cache()
-    model.forward_tokens(prompt[:-1], 0)
-    torch.testing.assert_close(model.forward_decode(prompt[-1:], [0])[0], whole, atol=1e-4, rtol=0)
     # A new sequence at offset 0 starts from empty state even without clear_cache (step mode).
-    model.cache_lens[0] = 0
+    model.cache_lens[model.step_row] = 0
     torch.testing.assert_close(model.forward_tokens(prompt, 0)[-1], whole, atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="row 1 is outside the 1 cache rows"):
-        model.forward_tokens(prompt, 0, row=1)
-    # Asked for several cache rows, a hybrid model keeps one (and says so) instead of failing.
-    assert load_model(case.path, TPContext(), max_batch=4).max_batch == 1
+    rows = len(model.cache_lens)
+    with pytest.raises(ValueError, match=f"row {rows} is outside the {rows} cache rows"):
+        model.forward_tokens(prompt, 0, row=rows)
+
+
+def test_hybrid_rows_decode_together_and_passengers_keep_their_state(cases: dict[str, Case]) -> None:
+    """Several sequences in their own recurrent-state rows decode in one batch; a row that
+    rides along inactive keeps its state and cache untouched."""
+    from celerytp.models import load_model
+
+    case = cases["qwen3_next"]
+    model = load_model(case.path, TPContext(), max_batch=3)
+    prompts = [case.prompt, case.prompt[:20], case.prompt[7:30]]
+    alone = []
+    for prompt in prompts:  # each sequence by itself in step mode's row: prompt, then one decode step
+        model.clear_cache(model.step_row)
+        first = int(model.forward_tokens(torch.tensor(prompt), 0, last_only=True)[-1].argmax())
+        alone.append(model.forward_tokens(torch.tensor([first]), len(prompt))[-1])
+    firsts = []
+    for row, prompt in enumerate(prompts):
+        firsts.append(int(model.forward_tokens(torch.tensor(prompt), 0, row=row, last_only=True)[-1].argmax()))
+    state = [s.ssm[1].clone() for s in model.model.recurrent_states()]
+    batched = model.decode([firsts[0], 0, firsts[2]], [True, False, True])  # row 1 is a passenger
+    torch.testing.assert_close(batched, torch.stack([alone[0], alone[2]]), atol=1e-4, rtol=0)
+    assert all(torch.equal(s.ssm[1], kept) for s, kept in zip(model.model.recurrent_states(), state))
+    assert model.cache_lens[:3] == [len(prompts[0]) + 1, len(prompts[1]), len(prompts[2]) + 1]
+    torch.testing.assert_close(model.decode([firsts[0] * 0, firsts[1]], [False, True])[0], alone[1], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="cannot be cut back"):
+        model.truncate(0, 3)  # recurrent state holds the whole history or nothing
 
 
 def test_shards_and_memory_report(cases: dict[str, Case]) -> None:
@@ -231,8 +252,9 @@ def test_shards_and_memory_report(cases: dict[str, Case]) -> None:
         assert tuple(moe.experts.w13.shape) == (8, 2 * 4, 32) and tuple(moe.experts.w2.shape) == (8, 32, 4)
         assert tuple(moe.gate.weight.shape) == (8, 32)  # replicated router
     report = model.memory_report()
-    state = 2 * (1 * (2 * hk + hv) * 3 * 4 + 1 * 1 * hk * hv * 4)  # 2 linear layers: conv + ssm
-    kv = 2 * 1 * 1 * 256 * 16 * 4  # one full-attention layer: (k, v) x 1 head x 256 positions
+    rows = 2  # one served sequence (max_batch 1) and step mode's row
+    state = 2 * rows * ((2 * hk + hv) * 3 * 4 + 1 * hk * hv * 4)  # 2 linear layers: conv + ssm
+    kv = 2 * rows * 1 * (256 + 1) * 16 * 4  # one full-attention layer: (k, v) x 1 head x 256 positions + scratch
     assert report["recurrent_state_bytes"] == state
     assert report["kv_cache_bytes"] == kv + state
 

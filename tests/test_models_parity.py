@@ -100,7 +100,7 @@ def test_uneven_and_replicated_shards_have_expected_shapes(cases: dict[str, Case
         attn = model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
         assert tuple(attn.qkv_proj.weight.shape) == ((2 + 1 + 1) * hd, 64)
-        assert attn.kv_cache.k.shape == (1, 1, 128, hd)
+        assert attn.kv_cache.k.shape == (2, 1, 128 + 1, hd)  # served row + step row; positions + scratch
         assert model.lm_head.weight is model.model.embed_tokens.weight
         starts.append((attn.heads.q_start, attn.heads.kv_start))
     assert starts == [(0, 0), (2, 0), (4, 1), (6, 1)]
@@ -126,7 +126,7 @@ def test_cache_contract(cases: dict[str, Case]) -> None:
     torch.testing.assert_close(a, first[:3], atol=1e-5, rtol=0)
     torch.testing.assert_close(b[0], first[-1], atol=1e-5, rtol=0)
     report = model.memory_report()
-    assert report["kv_cache_bytes"] == 2 * 2 * 1 * 4 * 16 * 16 * 4  # layers * (k,v) * B * heads * ctx * hd * 4B
+    assert report["kv_cache_bytes"] == 2 * 2 * 2 * 4 * 17 * 16 * 4  # layers * (k,v) * rows * heads * (ctx+1) * hd * 4B
     assert report["sharded_bytes"] > 0 and report["replicated_bytes"] == 160 * 64 * 4 + 5 * 64 * 4
 
 

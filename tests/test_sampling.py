@@ -9,92 +9,151 @@ import torch
 
 from celerytp.core.sampling import SamplingParams
 from celerytp.worker.sampling import (
+    TOP_P_PREFILTER,
+    RowSampler,
     apply_repetition_penalty,
-    logits_to_probs,
+    candidate_probs,
     make_generator,
-    sample_next,
+    sample_rows,
     token_logprob,
     top_logprobs,
 )
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """(V,) -> (V,) after temperature, top-k, top-p: the plain full-sort definition, as a reference."""
+    logits = logits.float() / max(temperature, 1e-5)
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        drop[order] = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum()
+
+
+def batched_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """candidate_probs scattered back to (S, V) and normalized, for comparison."""
+    probs, ids = candidate_probs(
+        logits,
+        torch.tensor([p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+    )
+    out = torch.zeros_like(logits).scatter_add(1, ids, probs)
+    return out / out.sum(-1, keepdim=True)
 
 
 def random_logits(seed: int = 0, vocab: int = 50) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def sample_one(logits: torch.Tensor, params: SamplingParams, history: list[int] = ()) -> int:
+    return sample_rows(logits[None], [RowSampler.create(params, logits.shape[-1], list(history))])[0]
+
+
 def test_temperature_zero_is_argmax() -> None:
     for seed in range(5):
         logits = random_logits(seed)
-        assert sample_next(logits, SamplingParams(), None, []) == int(logits.argmax())
+        assert sample_one(logits, SamplingParams()) == int(logits.argmax())
     # top-k / top-p / seed do not change greedy
     logits = random_logits(7)
-    params = SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=1)
-    assert sample_next(logits, params, make_generator(1), []) == int(logits.argmax())
+    assert sample_one(logits, SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=1)) == int(logits.argmax())
 
 
-def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
-    params = SamplingParams(temperature=1.5, top_k=20, top_p=0.95, seed=42)
-    logits = [random_logits(s) for s in range(30)]
+def test_batched_filters_equal_the_plain_definition() -> None:
+    """Every row of one batch, each with its own temperature / top-k / top-p, including rows
+    whose nucleus the top-p prefilter cannot hold (a flat distribution over a large vocabulary)."""
+    vocab = 3 * TOP_P_PREFILTER
+    rows = [random_logits(s, vocab) for s in range(6)] + [torch.linspace(0, 0.5, vocab), torch.randn(vocab) * 0.01]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.5),
+        SamplingParams(temperature=2.0, top_k=vocab + 5),
+        SamplingParams(temperature=0.5, top_p=0.999),
+        SamplingParams(temperature=1.0, top_p=0.9),  # nearly flat: the nucleus is most of the vocabulary
+        SamplingParams(temperature=1.0, top_p=0.6, top_k=0),
+    ]
+    batched = batched_probs(torch.stack(rows), params)
+    for i, (logits, p) in enumerate(zip(rows, params)):
+        expected = reference_probs(logits, p.temperature, p.top_k, p.top_p)
+        torch.testing.assert_close(batched[i], expected, atol=1e-6, rtol=1e-4, msg=f"row {i}: {p}")
 
-    def run(seed: int) -> list[int]:
-        gen = make_generator(seed)
-        history: list[int] = []
-        for step in logits:
-            history.append(sample_next(step, params, gen, history))
-        return history
 
-    assert run(42) == run(42)
-    assert run(42) != run(43)
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch() -> None:
+    params = SamplingParams(temperature=1.5, top_k=20, top_p=0.95, seed=42, repetition_penalty=1.2)
+    steps = [random_logits(s) for s in range(30)]
+
+    def run(seed: int, neighbours: int) -> list[int]:
+        me = RowSampler.create(SamplingParams(**{**params.to_dict(), "seed": seed}), 50, [1, 2])
+        others = [RowSampler.create(SamplingParams(temperature=1.0, seed=s), 50) for s in range(neighbours)]
+        out = []
+        for step in steps:
+            batch = torch.stack([step] + [random_logits(99, 50)] * neighbours)
+            token = sample_rows(batch, [me, *others])[0]
+            me.saw(token)
+            out.append(token)
+        return out
+
+    assert run(42, 0) == run(42, 3) == run(42, 15)
+    assert run(42, 0) != run(43, 0)
     assert make_generator(None) is None
 
 
 def test_sampling_follows_the_distribution() -> None:
     logits = torch.tensor([0.0, math.log(3.0), -float("inf")])  # p = 1/4, 3/4, 0
-    gen = make_generator(0)
-    params = SamplingParams(temperature=1.0)
-    draws = [sample_next(logits, params, gen) for _ in range(4000)]
+    row = RowSampler.create(SamplingParams(temperature=1.0, seed=0), 3)
+    draws = [sample_rows(logits[None], [row])[0] for _ in range(4000)]
     assert 2 not in draws
     assert abs(draws.count(1) / len(draws) - 0.75) < 0.03
 
 
 def test_top_k_keeps_exactly_the_k_largest() -> None:
-    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
-    probs = logits_to_probs(logits, temperature=1.0, top_k=2)
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    probs = batched_probs(logits, [SamplingParams(temperature=1.0, top_k=2)])[0]
     assert torch.nonzero(probs).flatten().tolist() == [1, 3]
     torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
-    assert torch.count_nonzero(logits_to_probs(logits, 1.0, top_k=0)) == 5
-    assert torch.count_nonzero(logits_to_probs(logits, 1.0, top_k=99)) == 5
+    for k in (0, 99):
+        assert torch.count_nonzero(batched_probs(logits, [SamplingParams(temperature=1.0, top_k=k)])) == 5
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
-    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs_in.log()
-    kept = lambda p: torch.nonzero(logits_to_probs(logits, 1.0, top_p=p)).flatten().tolist()  # noqa: E731
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+
+    def kept(p: float) -> list[int]:
+        return torch.nonzero(batched_probs(logits, [SamplingParams(temperature=1.0, top_p=p)])[0]).flatten().tolist()
+
     assert kept(0.5) == [0]
     assert kept(0.6) == [0, 1]
     assert kept(0.8) == [0, 1]
     assert kept(0.81) == [0, 1, 2]
     assert kept(1.0) == [0, 1, 2, 3]
     assert kept(0.01) == [0]  # the most likely token always survives
-    torch.testing.assert_close(logits_to_probs(logits, 1.0, top_p=0.6), torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    torch.testing.assert_close(
+        batched_probs(logits, [SamplingParams(temperature=1.0, top_p=0.6)])[0], torch.tensor([0.625, 0.375, 0.0, 0.0])
+    )
 
 
 def test_temperature_sharpens_and_flattens() -> None:
-    logits = torch.tensor([2.0, 1.0, 0.0])
-    cold, hot = logits_to_probs(logits, 0.5), logits_to_probs(logits, 2.0)
-    assert cold[0] > logits_to_probs(logits, 1.0)[0] > hot[0]
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    cold, warm, hot = (batched_probs(logits, [SamplingParams(temperature=t)])[0, 0] for t in (0.5, 1.0, 2.0))
+    assert cold > warm > hot
 
 
 def test_repetition_penalty() -> None:
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
-    out = apply_repetition_penalty(logits, [0, 1, 1], 2.0)
-    torch.testing.assert_close(out, torch.tensor([1.0, -4.0, 1.0, 0.5]))
-    assert logits[0] == 2.0  # input untouched
-    # penalty changes the greedy pick away from a repeated token
     params = SamplingParams(repetition_penalty=3.0)
-    assert sample_next(logits, params, None, []) == 0
-    assert sample_next(logits, params, None, [0]) == 2
-    assert apply_repetition_penalty(logits, [], 2.0) is logits
+    assert sample_one(logits, params) == 0
+    assert sample_one(logits, params, [0]) == 2  # the penalty moves greedy off a repeated token
+    row = RowSampler.create(SamplingParams(repetition_penalty=2.0), 4, [0, 1, 1])
+    plain = RowSampler.create(SamplingParams(), 4)
+    both = apply_repetition_penalty(torch.stack([logits, logits]), [row, plain])
+    torch.testing.assert_close(both, torch.tensor([[1.0, -4.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]]))
+    assert logits[0] == 2.0  # input untouched
 
 
 def test_logprobs() -> None:

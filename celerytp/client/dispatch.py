@@ -60,12 +60,20 @@ class ChordPublisher:
         self._keys = [dispatch_lock_key(group), seq_key(group)]
 
     def publish(
-        self, task_name: str, make_request: Callable[[int], dict[str, Any]], expires: float, lock_wait: float
+        self,
+        task_name: str,
+        make_request: Callable[[int], dict[str, Any]],
+        expires: float,
+        lock_wait: float,
+        subscribe: bool = True,
     ) -> PublishedChord:
-        """Publish `task_name(make_request(seq))` to every rank queue, body = the gather task."""
+        """Publish `task_name(make_request(seq))` to every rank queue, body = the gather task.
+
+        `subscribe` False: nobody will wait for the combined reply (it expires in the backend).
+        """
         token, group_id, body_id = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
-        # Subscribe to the body's result first, so the reply cannot be missed or waited for.
-        self.app.backend.on_task_call(None, body_id)
+        if subscribe:  # subscribe to the body's result first, so the reply cannot be missed
+            self.app.backend.on_task_call(None, body_id)
         seq = self._take_lock(token, group_id, lock_wait)
         try:
             return self._send(task_name, make_request(seq), seq, group_id, body_id, expires)

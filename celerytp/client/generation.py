@@ -1,8 +1,8 @@
 """Generation from the leader's side: prepare requests, run them fused or step by step, stream.
 
-Fused mode (the default) sends the request to the ranks as part of one `generate` chord per
-batch; step mode drives one `step` chord per token. Both sample with the same functions in
-the same order, so greedy and seeded outputs are identical.
+Fused mode (the default) queues the request for the model's serving loop, where it is batched
+with whatever else runs (client/requests.py); step mode drives one `step` chord per token.
+Both sample with the same function, so greedy and seeded outputs are identical.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-import redis
-
-from celerytp.core.keys import stream_key
+from celerytp.client.requests import Done, PendingRequest
 from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_message
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.stopping import StopChecker, cut_at_stop
@@ -48,6 +45,9 @@ class GenerationResult:
     decode_s: float = 0.0
     total_s: float = 0.0
     mode: str = "fused"
+    queued_s: float = 0.0  # waiting for a free row (fused)
+    reused_tokens: int = 0  # prompt tokens found already cached (prefix reuse)
+    logprobs: list | None = None  # per token: [logprob, [[id, logprob], ...]] when asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -97,6 +97,7 @@ def prepare(
     top_p: float | None = None,
     repetition_penalty: float | None = None,
     seed: int | None = None,
+    logprobs: int | None = None,
     stop: list[str] | str | None = None,
     request_id: str | None = None,
     stream: bool = False,
@@ -110,8 +111,10 @@ def prepare(
     started = time.perf_counter()
     tokenizer = load_tokenizer(record["path"])
     ids = prompt_ids(tokenizer, prompt, messages)
-    check_tokens(ids, max_context=record["max_context"], vocab_size=record["vocab_size"], field="prompt")
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty, "seed": seed}
+    given = {
+        "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
+        "seed": seed, "logprobs": logprobs,
+    }
     params = sampling_params({**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
     stops = [stop] if isinstance(stop, str) else stop
     spec = {
@@ -120,8 +123,15 @@ def prepare(
         "sampling": params.to_dict(), "stop": [s for s in stops if s] if isinstance(stops, list) else stops or [],
         "stream": stream, "eos_token_ids": [] if ignore_eos else sorted(tokenizer.eos_token_ids),
     }
-    validate_message(GenSpec, spec, "generate")  # the types and limits every rank checks
+    check_spec(record, spec)
     return Prepared(tokenizer, spec, params, spec["stop"], started)
+
+
+def check_spec(record: dict[str, Any], spec: dict[str, Any]) -> None:
+    """A request's wire fields, checked on the leader as every rank checks them."""
+    validate_message(GenSpec, spec, "generate")
+    check_tokens(spec["prompt"], max_context=record["max_context"], vocab_size=record["vocab_size"], field="prompt")
+    sampling_params(spec.get("sampling"))
 
 
 def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
@@ -129,7 +139,8 @@ def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
     return GenerationResult(
         text=text, token_ids=row.token_ids, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
         request_id=row.request_id, ttft_s=row.ttft_s, decode_s=row.decode_s,
-        total_s=time.perf_counter() - prepared.started, mode=mode,
+        total_s=time.perf_counter() - prepared.started, mode=mode, queued_s=row.queued_s,
+        reused_tokens=row.reused_tokens, logprobs=row.logprobs,
     )
 
 
@@ -156,52 +167,38 @@ def run_steps(step: StepFn, prepared: Prepared, max_context: int) -> RowResult:
 
 
 class TokenStream:
-    """Text deltas of one fused request as rank 0 publishes its tokens; `.result` at the end.
+    """Text deltas of one request as rank 0 publishes its tokens; `.result` at the end.
 
     UTF-8 sequences split across tokens are held back until complete, and so is text that
     could be the start of a stop string.
     """
 
-    def __init__(self, client: redis.Redis, group: str, prepared: Prepared, future: Future):
+    def __init__(self, pending: PendingRequest, prepared: Prepared, timeout: float):
         self.request_id = prepared.spec["request_id"]
         self.result: GenerationResult | None = None
         self.ttft_s: float | None = None
-        self._redis = client
-        self._key = stream_key(group, self.request_id)
+        self._pending = pending
         self._prepared = prepared
-        self._future = future
+        self._timeout = timeout
 
     def __iter__(self) -> Iterator[str]:
-        client, key = self._redis, self._key
-        last, ids, sent = "0-0", [], ""
-        done = False
-        while not done:
-            reply = client.xread({key: last}, count=256, block=50)
-            if not reply:
-                if self._future.done() and not client.exists(key):
-                    break  # the op ended without publishing (it failed): result() raises below
-                continue
-            for entry_id, fields in reply[0][1]:
-                last = entry_id
-                if b"t" in fields:
-                    ids.append(int(fields[b"t"]))
-                    self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
-                done = done or b"done" in fields
-            delta = self._safe_text(ids, final=done)[len(sent):]
+        ids, sent = [], ""
+        for event in self._pending.events(self._timeout):
+            if isinstance(event, Done):
+                self.result = finish(self._prepared, event.result, "fused")
+                break
+            ids.append(event.id)
+            self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
+            delta = self._safe_text(ids)[len(sent):]
             if delta:
                 sent += delta
                 yield delta
-        row = self._future.result()
-        client.delete(key)
-        self.result = finish(self._prepared, row, "fused")
         rest = self.result.text[len(sent):]
         if rest:
             yield rest
 
-    def _safe_text(self, ids: list[int], final: bool) -> str:
+    def _safe_text(self, ids: list[int]) -> str:
         text, _ = cut_at_stop(self._prepared.tokenizer.decode(ids), self._prepared.stops)
-        if final:
-            return text
         text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to U+FFFD
         held = max(
             (n for stop in self._prepared.stops for n in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:n])),

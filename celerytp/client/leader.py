@@ -7,21 +7,20 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from celerytp.client.batching import Batcher
 from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
-from celerytp.client.generation import MODES, GenerationResult, TokenStream, finish, prepare, run_steps
+from celerytp.client.generation import MODES, GenerationResult, TokenStream, check_spec, finish, prepare, run_steps
 from celerytp.client.progress import LoadProgress
+from celerytp.client.requests import LOOP_START_TTL_S, PendingRequest, RequestQueues
 from celerytp.core import protocol as p
 from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
-from celerytp.core.keys import cancel_key, models_key, owner_key
+from celerytp.core.keys import loop_key, loop_stats_key, models_key, owner_key, queue_key
 from celerytp.core.model_files import default_model_path
 from celerytp.core.sampling import SamplingParams
 
@@ -47,7 +46,7 @@ class Leader:
         self.redis = redis.Redis.from_url(broker_url)
         self._local_lock = threading.Lock()
         self._publisher = ChordPublisher(self.app, self.redis, group, world_size, GATHER_TASK)
-        self._batcher: Batcher | None = None
+        self._queues = RequestQueues(self.redis, group, self._start_loop)
         self.generate_timeout = 3600.0
 
     # ---- foundation ops ---------------------------------------------------------------
@@ -75,24 +74,36 @@ class Leader:
         dtype: str | None = None,
         quant: str | None = None,
         max_context: int | None = None,
-        max_batch: int = 4,
+        max_batch: int = 16,
         progress: bool = False,
         timeout: float = 1800.0,
+        *,
+        kv_cache_bytes: int | None = None,
+        prefill_budget: int = 256,
+        idle_s: float = 1.0,
+        max_queue: int = 256,
     ) -> list[p.Loaded]:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
 
-        `max_batch` is how many requests one fused batch may hold (KV cache rows).
+        Serving settings: `max_batch` requests decode together (KV cache rows), each rank's KV
+        cache stays within `kv_cache_bytes` (max_context, unless given, is what fits),
+        `prefill_budget` prompt tokens run per step beside the decoding rows, a serving loop
+        ends `idle_s` after its last request, and past `max_queue` waiting requests a new one
+        is refused as `overloaded`.
         """
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'max_queue': an integer >= 1 is required, got {max_queue!r}")
         path = os.path.abspath(path if path is not None else default_model_path())
         fields = {
             "model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context,
-            "max_batch": max_batch, "quant": quant,
+            "max_batch": max_batch, "quant": quant, "kv_cache_bytes": kv_cache_bytes,
+            "prefill_budget": prefill_budget, "idle_s": idle_s,
         }
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
             replies = self.call("load", fields, timeout=timeout, on_wait=bar.update)
         first = replies[0]
-        record = {"path": path, "dtype": first.dtype, "model_type": first.model_type,
-                  "vocab_size": first.vocab_size, "max_context": first.max_context, "max_batch": first.max_batch}
+        record = {"path": path, "dtype": first.dtype, "model_type": first.model_type, "vocab_size": first.vocab_size,
+                  "max_context": first.max_context, "max_batch": first.max_batch, "max_queue": max_queue}
         self.redis.hset(models_key(self.group), model_id, json.dumps(record))
         return replies
 
@@ -132,10 +143,11 @@ class Leader:
     ) -> GenerationResult:
         """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
-        Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
-        request_id (to cancel it), ignore_eos (run to max_tokens, for benchmarks). Unset sampling options come from generation_config.json.
-        `mode="fused"` runs the whole request (batched with concurrent ones) in one chord;
-        `mode="step"` drives one step chord per token. Both give the same tokens.
+        Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, logprobs, stop,
+        request_id (to cancel it), ignore_eos (run to max_tokens, for benchmarks). Unset
+        sampling options come from generation_config.json. `mode="fused"` queues the request
+        for the model's serving loop, where it joins whatever else is running; `mode="step"`
+        drives one step chord per token. Both give the same tokens.
         """
         if mode not in MODES:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'mode': one of {MODES} is required, got {mode!r}")
@@ -144,7 +156,7 @@ class Leader:
         if mode == "step":
             row = run_steps(partial(self.step, model_id), prepared, record["max_context"])
         else:
-            row = self.submit(model_id, prepared.spec).result()
+            row = self._queues.submit(model_id, prepared.spec, record["max_queue"]).result(self.generate_timeout)
         return finish(prepared, row, mode)
 
     def stream(self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options) -> TokenStream:
@@ -153,28 +165,49 @@ class Leader:
         `stream.request_id` names the request for `cancel`; `stream.result` is the final
         GenerationResult once the iteration ends.
         """
-        prepared = prepare(self._record(model_id), prompt=prompt, messages=messages, stream=True, **options)
-        return TokenStream(self.redis, self.group, prepared, self.submit(model_id, prepared.spec))
+        record = self._record(model_id)
+        prepared = prepare(record, prompt=prompt, messages=messages, stream=True, **options)
+        pending = self._queues.submit(model_id, prepared.spec, record["max_queue"])
+        return TokenStream(pending, prepared, self.generate_timeout)
+
+    def submit(self, model_id: str, spec: dict[str, Any]) -> PendingRequest:
+        """Queue a token-level request (protocol GenSpec fields: request_id, prompt ids,
+        max_tokens, sampling, stop, eos_token_ids, stream) for the model's serving loop.
+
+        For clients that tokenize themselves; `generate` and `stream` are built on it.
+        """
+        record = self._record(model_id)
+        check_spec(record, spec)
+        return self._queues.submit(model_id, spec, record["max_queue"])
 
     def cancel(self, request_id: str) -> None:
-        """Ask rank 0 to stop a running (or queued) fused request; it ends as "cancelled"."""
-        self.redis.set(cancel_key(self.group, request_id), 1, ex=600)
+        """Cancel a fused request, from any leader: a queued one never runs, a running one stops
+        within a step. It ends as "cancelled"."""
+        self._queues.cancel(request_id)
+
+    def serving_stats(self, model_id: str) -> dict[str, int]:
+        """The model's queue and serving loop: `queued`, `loop_running` (0/1), `running_rows`,
+        `peak_rows`, `steps`, `requests`, `reused_tokens` of the current or last loop."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.llen(queue_key(self.group, model_id))
+        pipe.exists(loop_key(self.group, model_id))
+        pipe.hgetall(loop_stats_key(self.group, model_id))
+        queued, running, stats = pipe.execute()
+        return {"queued": queued, "loop_running": int(running), **{k.decode(): int(v) for k, v in stats.items()}}
+
+    def _start_loop(self, model_id: str, loop_id: str) -> None:
+        """Publish a `serve` chord: every rank runs the model's serving loop (nobody waits on it)."""
+        fields = {"op": "serve", "model_id": model_id, "loop_id": loop_id}
+        self._publisher.publish(
+            op_task_name("serve"), lambda seq: {**fields, "seq": seq}, expires=LOOP_START_TTL_S,
+            lock_wait=self.timeout, subscribe=False,
+        )
 
     def _record(self, model_id: str) -> dict[str, Any]:
         record = self.models().get(model_id)
         if record is None:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
         return record
-
-    def submit(self, model_id: str, spec: dict[str, Any]) -> Future:
-        """Queue one prepared request for the next fused batch; the future gives its RowResult."""
-        if self._batcher is None:
-            self._batcher = Batcher(self._run_batch, lambda m: self.models()[m]["max_batch"])
-        return self._batcher.submit(model_id, spec)
-
-    def _run_batch(self, model_id: str, specs: list[dict[str, Any]]) -> list[p.RowResult]:
-        reply = self.call("generate", {"model_id": model_id, "requests": specs}, timeout=self.generate_timeout)
-        return reply[0].rows
 
     def health(self) -> list[dict | None]:
         """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""

@@ -28,10 +28,25 @@ def load_progress_key(group: str, model_id: str) -> str:
 
 
 def stream_key(group: str, request_id: str) -> str:
-    """Redis Stream of one request's tokens (rank 0 writes, the leader reads)."""
+    """Redis Stream of one request: its tokens (when streamed) and its `done` record (always)."""
     return f"celerytp:{group}:stream:{request_id}"
 
 
 def cancel_key(group: str, request_id: str) -> str:
     """Set to cancel a request; rank 0 checks it while decoding."""
     return f"celerytp:{group}:cancel:{request_id}"
+
+
+def queue_key(group: str, model_id: str) -> str:
+    """List of a model's queued generation requests (GenSpec JSON); every leader pushes here."""
+    return f"celerytp:{group}:queue:{model_id}"
+
+
+def loop_key(group: str, model_id: str) -> str:
+    """Set while a model's serving loop runs or is being started (value: its loop id)."""
+    return f"celerytp:{group}:loop:{model_id}"
+
+
+def loop_stats_key(group: str, model_id: str) -> str:
+    """Hash: the serving loop's figures (running rows, peak rows, steps, reused tokens)."""
+    return f"celerytp:{group}:loopstats:{model_id}"

@@ -62,8 +62,11 @@ class LoadRequest(Request):
     path: Annotated[str, Field(min_length=1, max_length=4096)]
     dtype: DType | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_context: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
-    max_batch: Annotated[int, Field(ge=1, le=256)] = 4  # sequences decoded together (KV cache rows)
+    max_batch: Annotated[int, Field(ge=1, le=256)] = 16  # sequences served at once (KV cache rows)
     quant: Annotated[str, Field(min_length=1, max_length=16)] | None = None  # ggml type name; None: keep the file's
+    kv_cache_bytes: Annotated[int, Field(ge=1)] | None = None  # KV cache budget per rank; None: the default
+    prefill_budget: Annotated[int, Field(ge=1, le=1 << 16)] = 256  # prompt tokens per serving step
+    idle_s: Annotated[float, Field(ge=0.01, le=600)] = 1.0  # a serving loop with no work ends after this
 
 
 class StepRequest(Request):
@@ -82,7 +85,7 @@ RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z
 
 
 class GenSpec(Message):
-    """One request of a fused generation batch (the leader has tokenized it)."""
+    """One generation request, as a leader queues it for a model's serving loop (tokenized)."""
 
     request_id: RequestId
     prompt: TokenList
@@ -91,14 +94,18 @@ class GenSpec(Message):
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=512)]], Field(max_length=16)] = []
     eos_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
     stream: bool = False  # rank 0 XADDs each token to celerytp:<group>:stream:<request_id>
+    submitted_at: float = 0.0  # the leader's wall clock at submission (queue time in the result)
 
 
-class GenerateRequest(Request):
-    """Fused generation: every rank runs prefill and decode for the whole batch in lockstep."""
+LoopId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
-    op: Literal["generate"] = "generate"
+
+class ServeRequest(Request):
+    """Run a model's serving loop: every rank in lockstep until the model's queue stays empty."""
+
+    op: Literal["serve"] = "serve"
     model_id: ModelId
-    requests: Annotated[list[GenSpec], Field(min_length=1, max_length=256)]
+    loop_id: LoopId  # the running flag a leader set for this loop
 
 
 class ClearKVCacheRequest(Request):
@@ -151,6 +158,8 @@ class Loaded(Reply):
     vocab_size: int
     max_context: int
     max_batch: int
+    prefill_budget: int = 256
+    idle_s: float = 1.0
     num_layers: int
     sharded_bytes: int
     replicated_bytes: int
@@ -171,7 +180,12 @@ class StepResult(Reply):
 
 
 class RowResult(BaseModel):
-    """One request's outcome; `token_ids` excludes EOS, `matched_stop` is the stop string hit."""
+    """One request's outcome; `token_ids` excludes EOS, `matched_stop` is the stop string hit.
+
+    `ttft_s` runs from submission (queue time included) to the first token; `reused_tokens`
+    are prompt tokens found already in the cache row (prefix reuse); `logprobs` holds, per
+    token, [logprob, [[id, logprob], ...]] when the request asked for logprobs.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -180,12 +194,20 @@ class RowResult(BaseModel):
     prompt_tokens: int
     ttft_s: float
     decode_s: float
+    queued_s: float = 0.0
+    reused_tokens: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
-class GenerateResult(Reply):
-    type: Literal["generate_result"] = "generate_result"
+class ServeResult(Reply):
+    """What one serving loop did (rank 0's figures; the other ranks count steps only)."""
+
+    type: Literal["serve_result"] = "serve_result"
     model_id: str
-    rows: list[RowResult] = []  # rank 0 only, in request order
+    steps: int
+    requests: int = 0
+    peak_rows: int = 0
+    reused_tokens: int = 0
     total_s: float = 0.0
 
 
@@ -213,12 +235,12 @@ def _by_tag(classes: tuple[type[Message], ...], tag: str) -> dict[str, type]:
 REQUESTS: dict[str, type[Request]] = _by_tag(
     (
         PingRequest, InitRequest, SanityCheckRequest, ShutdownRequest,
-        LoadRequest, StepRequest, GenerateRequest, ClearKVCacheRequest, UnloadRequest,
+        LoadRequest, StepRequest, ServeRequest, ClearKVCacheRequest, UnloadRequest,
     ),
     "op",
 )
 REPLIES: dict[str, type[Reply]] = _by_tag(
-    (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, GenerateResult, Cleared, Unloaded, ErrorReply), "type"
+    (Pong, InitOk, SanityResult, Bye, Loaded, StepResult, ServeResult, Cleared, Unloaded, ErrorReply), "type"
 )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.hybrid_norm import GatedRMSNorm
+from celerytp.layers.kv_cache import CacheSlots
 from celerytp.layers.linear import RowParallelLinear
 from celerytp.layers.partition import HeadShard, split_linear_heads
 from celerytp.layers.recurrent_state import RecurrentState
@@ -149,9 +150,12 @@ class GatedDeltaNet(nn.Module):
 
     Args:
         dims: full sizes; tp: this rank; the split comes from split_linear_heads.
+        rows: sequences whose state is kept (cache rows).
     """
 
-    def __init__(self, dims: GatedDeltaNetDims, tp: TPContext, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, dims: GatedDeltaNetDims, tp: TPContext, rows: int, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         heads = split_linear_heads(tp.rank, tp.world_size, dims.num_value_heads, dims.num_key_heads)
         self.dims = dims
@@ -172,7 +176,7 @@ class GatedDeltaNet(nn.Module):
             dims.num_value_heads * self.hv, dims.hidden_size, (heads.q_start * self.hv, layout.value_dim), tp,
             bias=False, **common,
         )  # fmt: skip
-        self.state = RecurrentState(1, layout.conv_dim, dims.conv_kernel - 1, self.num_v, self.hk, self.hv, **common)
+        self.state = RecurrentState(rows, layout.conv_dim, dims.conv_kernel - 1, self.num_v, self.hk, self.hv, **common)
         self.split_sizes = [layout.conv_dim, layout.value_dim, self.num_v, self.num_v]
 
     # ---- loading (checkpoint names: see FUSED_PROJECTIONS / SPLIT_PROJECTIONS) -------------
@@ -192,34 +196,42 @@ class GatedDeltaNet(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         B, T, _ = x.shape
-        if B != 1:
-            raise NotImplementedError("Gated DeltaNet keeps one sequence's state (batch size 1)")
+        if slots.first_row is None:
+            raise ValueError("Gated DeltaNet runs consecutive cache rows (its state is updated in place)")
+        rows = slice(slots.first_row, slots.first_row + B)
+        conv_state, ssm_state = self.state.conv[rows], self.state.ssm[rows]  # views of these rows' state
         qkv, z, b, a = F.linear(x, self.in_proj.weight).split(self.split_sizes, dim=-1)
-        qkv = causal_conv(qkv, self.conv1d.weight, self.state.conv)  # (B, T, conv_dim)
+        qkv = causal_conv(qkv, self.conv1d.weight, conv_state, slots.active)  # (B, T, conv_dim)
         q, k, v = qkv.split([self.layout.key_dim, self.layout.key_dim, self.layout.value_dim], dim=-1)
         beta = b.float().sigmoid()  # (B, T, nv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (B, T, nv), log decay
+        if slots.active is not None:  # passenger rows: no decay (g = 0) and no write (beta = 0) leave S as it was
+            keep = slots.active[:, None, None]
+            beta, g = beta * keep, g * keep
         core = gated_delta_rule(
             q.view(B, T, self.num_k, self.hk),
             k.view(B, T, self.num_k, self.hk),
             v.view(B, T, self.num_v, self.hv),
             g,
             beta,
-            self.state.ssm,
+            ssm_state,
             self.chunk_size,
         )  # (B, T, nv, hv) float32
         y = self.norm(core.to(x.dtype), z.view(B, T, self.num_v, self.hv))
         return self.out_proj(y.reshape(B, T, self.layout.value_dim))  # all-reduced over ranks
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, active: torch.Tensor | None = None
+) -> torch.Tensor:
     """Depthwise causal conv + SiLU of x (B, T, C) continuing from `state` (B, C, K-1), which
-    is updated in place to the last K-1 inputs."""
+    is updated in place to the last K-1 inputs (of `active` rows only, when given)."""
     T, window = x.shape[1], state.shape[-1]
     full = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # (B, C, K-1+T)
-    state.copy_(full[..., full.shape[-1] - window :])
+    latest = full[..., full.shape[-1] - window :]
+    state.copy_(latest if active is None else torch.where(active[:, None, None], latest, state))
     if T == 1:
         out = (full * weight[:, 0]).sum(-1, keepdim=True)  # (B, C, 1)
     else:

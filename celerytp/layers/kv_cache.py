@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +15,13 @@ class CacheSlots:
 
     Args:
         rows: (B,) cache row of each batch row.
-        positions: (B, T) absolute position of each token.
+        positions: (B, T) absolute position of each token (what rotary sees).
         length: keys 0..length-1 of each row take part in attention.
         mask: bool, broadcastable to (B, heads, T, length); None = every key 0..length-1.
         first_row: set when rows are first_row..first_row+B-1 (views instead of gathers).
+        writes: (B,) cache position each decode token is stored at (a scratch position for
+            inactive rows); None for prefill.
+        active: (B,) bool, decode rows that carry a real token; None = all.
     """
 
     rows: torch.Tensor
@@ -25,6 +29,8 @@ class CacheSlots:
     length: int
     mask: torch.Tensor | None
     first_row: int | None
+    writes: torch.Tensor | None = None
+    active: torch.Tensor | None = None
 
     @classmethod
     def prefill(cls, row: int, offset: int, count: int, device: torch.device) -> CacheSlots:
@@ -48,22 +54,53 @@ class CacheSlots:
         return cls(torch.tensor(rows, device=device), positions, T, mask, rows[0] if contiguous else None)
 
     @classmethod
-    def decode(cls, rows: list[int], positions: list[int], device: torch.device) -> CacheSlots:
-        """One token per row, each at its own position."""
-        pos = torch.tensor(positions, device=device)  # (B,)
-        length = max(positions) + 1
+    def decode(cls, positions: list[int], active: list[bool], scratch: int, device: torch.device) -> CacheSlots:
+        """One token for each of rows 0..R-1 at its own position; inactive rows are passengers.
+
+        The batch has a fixed shape (a view of the first R cache rows, never a gather). An
+        inactive row's token goes to the `scratch` position, past every real one, and it
+        attends to key 0 only, so it disturbs no row and produces no NaN.
+        """
+        live = [p for p, a in zip(positions, active) if a]
+        length = max(live) + 1 if live else 1
+        ragged = len(live) < len(positions) or min(live) != length - 1
+        pos = torch.tensor(positions, device=device)  # (R,)
+        on = torch.tensor(active, device=device)  # (R,)
         mask = None
-        if min(positions) != length - 1:  # ragged rows: hide keys past each row's position
-            mask = (torch.arange(length, device=device)[None] <= pos[:, None])[:, None, None]  # (B, 1, 1, L)
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        return cls(torch.tensor(rows, device=device), pos[:, None], length, mask, rows[0] if contiguous else None)
+        if ragged:
+            keys = torch.arange(length, device=device)[None]  # (1, L)
+            mask = torch.where(on[:, None], keys <= pos[:, None], keys == 0)[:, None, None]  # (R, 1, 1, L)
+        return cls(
+            rows=torch.arange(len(positions), device=device),
+            positions=torch.where(on, pos, 0)[:, None],  # (R, 1)
+            length=length,
+            mask=mask,
+            first_row=0,
+            writes=torch.where(on, pos, scratch),
+            active=None if len(live) == len(positions) else on,
+        )
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose CPU pages are only touched when written (an anonymous mapping), so a cache
+    sized for many rows and long contexts costs resident memory only for what is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVCache(nn.Module):
-    """Keys and values of positions 0..max_context-1 for `batch` sequences.
+    """Keys and values of positions 0..max_context-1 for `rows` sequences, plus one scratch
+    position per row where decode steps of inactive rows write.
 
     Args:
-        batch: cache rows (sequences decoded together).
+        rows: cache rows (sequences decoded together, and step mode's own row).
         num_kv_heads: this rank's KV heads.
         max_context: positions preallocated.
         head_dim: per-head size.
@@ -71,7 +108,7 @@ class KVCache(nn.Module):
 
     def __init__(
         self,
-        batch: int,
+        rows: int,
         num_kv_heads: int,
         max_context: int,
         head_dim: int,
@@ -80,15 +117,16 @@ class KVCache(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        shape = (batch, num_kv_heads, max_context, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (rows, num_kv_heads, max_context + 1, head_dim)
+        self.scratch = max_context
+        self.register_buffer("k", lazy_zeros(shape, dtype, device), persistent=False)
+        self.register_buffer("v", lazy_zeros(shape, dtype, device), persistent=False)
 
     def update(self, slots: CacheSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nkv, T, hd) at `slots`; return each row's keys/values 0..length-1."""
         T = k.shape[2]
         if T == 1:
-            pos = slots.positions[:, 0]  # (B,)
+            pos = slots.writes if slots.writes is not None else slots.positions[:, 0]  # (B,)
             self.k[slots.rows, :, pos] = k[:, :, 0]  # (B, nkv, hd)
             self.v[slots.rows, :, pos] = v[:, :, 0]
         else:  # prefill: every row at the same consecutive positions

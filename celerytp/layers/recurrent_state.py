@@ -14,7 +14,7 @@ class RecurrentState(nn.Module):
     rank's value heads, kept in float32 whatever the compute dtype (it accumulates).
 
     Args:
-        batch: batch slots (1).
+        batch: cache rows (one state per sequence).
         conv_channels: this rank's conv channels ([Q | K | V] local widths).
         conv_window: kernel_size - 1.
         num_heads, key_dim, value_dim: this rank's value heads and the per-head sizes.
@@ -39,9 +39,11 @@ class RecurrentState(nn.Module):
         self.register_buffer("ssm", ssm, persistent=False)
 
     @torch.inference_mode()  # the buffers are inference tensors when built under load_model
-    def reset(self) -> None:
-        self.conv.zero_()
-        self.ssm.zero_()
+    def reset(self, row: int | None = None) -> None:
+        """Zero one row's state (a new sequence there), or every row's."""
+        rows = slice(None) if row is None else slice(row, row + 1)
+        self.conv[rows].zero_()
+        self.ssm[rows].zero_()
 
     @property
     def nbytes(self) -> int:

@@ -27,7 +27,7 @@ class BuildOptions:
         dtype: compute and storage dtype of weights and KV cache.
         device: where tensors live.
         max_context: positions preallocated in the KV cache.
-        max_batch: batch slots in the KV cache.
+        max_batch: sequences served at once (KV cache rows; one more row is step mode's).
         mlp_block: the checkpoint's quant block along down_proj's columns (1 if unquantized),
             so MLP shards start on block boundaries.
         quant: keep sharded linears (and an untied lm_head) quantized in this format.
@@ -49,6 +49,8 @@ class CausalLM(nn.Module):
     `self.lm_head`, named as in the Hugging Face checkpoint.
     """
 
+    # Several rows' prompts can share one padded prefill (recurrent state cannot: padding would enter it).
+    batched_prefill = True
     # Checkpoint matrices packed into one of our parameters, in packing order (vLLM style).
     packed_modules_mapping: dict[str, tuple[str, ...]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -65,7 +67,8 @@ class CausalLM(nn.Module):
         self.tp = options.tp
         self.max_context = options.max_context
         self.max_batch = options.max_batch
-        self.cache_lens = [0] * options.max_batch  # tokens cached per row
+        self.step_row = options.max_batch  # step mode's own row, beside the served rows
+        self.cache_lens = [0] * cache_rows(options)  # tokens cached per row
 
     @property
     def device(self) -> torch.device:
@@ -73,29 +76,32 @@ class CausalLM(nn.Module):
 
     @property
     def cache_len(self) -> int:
-        """Tokens in row 0's cache (the row step mode uses)."""
-        return self.cache_lens[0]
+        """Tokens in step mode's row."""
+        return self.cache_lens[self.step_row]
 
     # ---- forward -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward_tokens(
-        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int = 0
+        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int | None = None
     ) -> torch.Tensor:
-        """Run tokens (T,) of cache row `row` at positions offset..offset+T-1, appending to its cache.
+        """Run tokens (T,) of cache row `row` (default: step mode's) at positions offset..offset+T-1.
 
-        Returns float32 logits (T, vocab), or (1, vocab) for the last position when
-        `last_only` (saves a (T, vocab) matrix on long prompts).
+        Offset 0 starts the row over. Returns float32 logits (T, vocab), or (1, vocab) for the
+        last position when `last_only` (saves a (T, vocab) matrix on long prompts).
         """
+        row = self.step_row if row is None else row
         if tokens.dim() != 1 or tokens.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(tokens.shape)}")
-        if not 0 <= row < self.max_batch:
-            raise ValueError(f"row {row} is outside the {self.max_batch} cache rows")
+        if not 0 <= row < len(self.cache_lens):
+            raise ValueError(f"row {row} is outside the {len(self.cache_lens)} cache rows")
         n = tokens.numel()
         if offset != self.cache_lens[row]:
             raise ValueError(f"offset {offset} != cache_len {self.cache_lens[row]}")
         if offset + n > self.max_context:
             raise ValueError(f"offset {offset} + {n} tokens exceeds max_context {self.max_context}")
+        if offset == 0:
+            self.clear_cache(row)
         ids = tokens.to(device=self.device, dtype=torch.long)[None]  # (1, T)
         h = self.model(ids, CacheSlots.prefill(row, offset, n, self.device))  # (1, T, D)
         if last_only:
@@ -107,6 +113,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def prefill_rows(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Several rows' prompts in one padded forward from position 0: logits (B, vocab) at each last token."""
+        if not self.batched_prefill:
+            raise ValueError(f"{type(self).__name__} prefills one row at a time")
         lengths = [len(p) for p in prompts]
         if max(lengths) > self.max_context:
             raise ValueError(f"a prompt of {max(lengths)} tokens exceeds max_context {self.max_context}")
@@ -121,22 +129,40 @@ class CausalLM(nn.Module):
         return logits
 
     @torch.inference_mode()
-    def forward_decode(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """One token per cache row, each at that row's next position: (B,) -> float32 logits (B, vocab)."""
-        positions = [self.cache_lens[r] for r in rows]
-        if max(positions) >= self.max_context:
+    def decode(self, tokens: list[int], active: list[bool]) -> torch.Tensor:
+        """One token for each of cache rows 0..R-1 at its next position; only `active` rows count.
+
+        The batch keeps the shape of the first R rows (no copy of any row's cache); inactive
+        rows ride along without touching their cache. Returns float32 logits (active rows, vocab).
+        """
+        positions = self.cache_lens[: len(tokens)]
+        if any(a and p >= self.max_context for p, a in zip(positions, active)):
             raise ValueError(f"a row is at max_context {self.max_context}")
-        ids = tokens.to(device=self.device, dtype=torch.long)[:, None]  # (B, 1)
-        h = self.model(ids, CacheSlots.decode(rows, positions, self.device))  # (B, 1, D)
-        logits = self.lm_head(h[:, 0]).float()  # (B, V)
-        for r in rows:
-            self.cache_lens[r] += 1
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
+        h = self.model(ids, CacheSlots.decode(positions, active, self.max_context, self.device))[:, 0]  # (R, D)
+        if not all(active):
+            h = h[torch.tensor(active, device=self.device)]  # (A, D)
+        logits = self.lm_head(h).float()  # (A, V)
+        for r, a in enumerate(active):
+            self.cache_lens[r] += a
         return logits
 
     def clear_cache(self, row: int | None = None) -> None:
         """Forget the cached positions of one row, or of all (buffers stay allocated)."""
-        for r in range(self.max_batch) if row is None else [row]:
+        for r in range(len(self.cache_lens)) if row is None else [row]:
             self.cache_lens[r] = 0
+
+    def reusable_prefix(self, held: list[int], prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` a row holding `held` can keep (at least one runs)."""
+        return min(common_prefix(held, prompt), len(prompt) - 1)
+
+    def truncate(self, row: int, keep: int) -> None:
+        """Keep the first `keep` cached positions of `row` (a prefix reused by the next sequence)."""
+        if not 0 <= keep <= self.cache_lens[row]:
+            raise ValueError(f"row {row} holds {self.cache_lens[row]} positions, cannot keep {keep}")
+        if keep == 0:
+            self.clear_cache(row)
+        self.cache_lens[row] = keep
 
     def kv_caches(self) -> list[KVCache]:
         return [m for m in self.modules() if isinstance(m, KVCache)]
@@ -190,6 +216,20 @@ class CausalLM(nn.Module):
             if progress is not None:
                 progress(i, len(names), name)
         return loaded
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cache_rows(options: BuildOptions) -> int:
+    """KV cache / recurrent state rows: the served sequences and step mode's row."""
+    return options.max_batch + 1
 
 
 def check_names(expected: set[str], names: list[str], ignorable: Callable[[str], bool]) -> None:

@@ -17,7 +17,7 @@ from celerytp.layers.linear import (
 from celerytp.layers.norm import RMSNorm
 from celerytp.layers.partition import split_heads, split_intermediate
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
-from celerytp.models.base import BuildOptions, CausalLM
+from celerytp.models.base import BuildOptions, CausalLM, cache_rows
 from celerytp.models.config import ModelConfig
 
 
@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
             quant=options.quant,
             **common,
         )
-        self.kv_cache = KVCache(options.max_batch, self.num_kv_heads, options.max_context, hd, **common)
+        self.kv_cache = KVCache(cache_rows(options), self.num_kv_heads, options.max_context, hd, **common)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Qwen3 normalizes each head here

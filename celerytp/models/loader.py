@@ -8,6 +8,7 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.partition import split_heads, split_linear_heads
 from celerytp.loading import Checkpoint, open_checkpoint
 from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.config import ModelConfig
@@ -17,6 +18,8 @@ from celerytp.models.qwen3 import Qwen3ForCausalLM
 from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from celerytp.quant.formats import QuantFormat
 from celerytp.quant.plan import finish_loading, mlp_block, resolve_quant
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30  # per rank; on CPU only the pages rows write become resident
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -39,6 +42,7 @@ def load_model(
     max_batch: int = 1,
     progress: Progress | None = None,
     quant: str | None = None,
+    kv_cache_bytes: int | None = None,
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file).
 
@@ -51,7 +55,8 @@ def load_model(
         config = config_from_hf(checkpoint.hf_config)
         fmt = resolve_quant(quant, checkpoint, config.model_type, dtype)
         model = build_model(
-            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=fmt
+            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=fmt,
+            kv_cache_bytes=kv_cache_bytes,
         )
         loaded = model.load_weights(checkpoint, progress)
         finish_loading(model)
@@ -71,18 +76,18 @@ def build_model(
     max_context: int | None,
     max_batch: int = 1,
     quant: QuantFormat | None = None,
+    kv_cache_bytes: int | None = None,
 ) -> CausalLM:
-    """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks."""
+    """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks.
+
+    The KV cache holds max_batch + 1 rows (step mode has its own) of max_context positions
+    within `kv_cache_bytes` per rank (default DEFAULT_KV_CACHE_BYTES): an unset max_context is
+    the largest that fits, up to the model's default; a set one that does not fit is refused.
+    """
     model_cls = MODEL_REGISTRY.get(config.model_type)
     if model_cls is None:
         raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {config.model_type!r} has no implementation")
-    if max_context is None:
-        max_context = config.default_max_context
-    if not 1 <= max_context <= config.max_position_embeddings:
-        raise CeleryTPError(
-            ErrorKind.LOAD_FAILED,
-            f"max_context {max_context} must be within 1..max_position_embeddings {config.max_position_embeddings}",
-        )
+    max_context = fit_context(config, tp.world_size, dtype, max_batch, max_context, kv_cache_bytes)
     options = BuildOptions(
         tp=tp,
         dtype=dtype,
@@ -93,6 +98,51 @@ def build_model(
         quant=quant,
     )
     return model_cls(config, options)
+
+
+def kv_bytes_per_position(config: ModelConfig | HybridConfig, world_size: int, dtype: torch.dtype) -> int:
+    """KV cache bytes one position of one row costs on the rank holding the most KV heads."""
+    if isinstance(config, HybridConfig):  # its linear heads' split is checked first, as the model would
+        for rank in range(world_size):
+            split_linear_heads(rank, world_size, config.linear_num_value_heads, config.linear_num_key_heads)
+    attention_layers = config.num_layers - getattr(config, "num_linear_layers", 0)
+    kv_heads = max(split_heads(r, world_size, config.num_heads, config.num_kv_heads).kv_count for r in range(world_size))
+    return attention_layers * 2 * kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def fit_context(
+    config: ModelConfig | HybridConfig,
+    world_size: int,
+    dtype: torch.dtype,
+    max_batch: int,
+    max_context: int | None,
+    budget: int | None,
+) -> int:
+    """The KV cache's positions per row: as asked if it fits the budget, else the most that fits."""
+    budget = DEFAULT_KV_CACHE_BYTES if budget is None else budget
+    rows = max_batch + 1
+    per_position = max(1, kv_bytes_per_position(config, world_size, dtype)) * rows
+    fits = budget // per_position
+    if max_context is None:
+        max_context = min(config.default_max_context, fits)
+        if max_context < 1:
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED,
+                f"the KV cache budget of {budget} bytes holds no position of {rows} rows ({per_position} bytes each)",
+            )
+    if not 1 <= max_context <= config.max_position_embeddings:
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
+            f"max_context {max_context} must be within 1..max_position_embeddings {config.max_position_embeddings}",
+        )
+    if max_context > fits:
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED,
+            f"a KV cache of {rows} rows x {max_context} positions needs {max_context * per_position >> 20}"
+            f" MiB per rank, over the budget of {budget >> 20} MiB: lower max_batch or max_context,"
+            f" or raise kv_cache_bytes (at most {fits} positions fit)",
+        )
+    return max_context
 
 
 def _mlp_block(checkpoint: Checkpoint, config: ModelConfig | HybridConfig) -> int:

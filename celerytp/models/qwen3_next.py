@@ -9,7 +9,6 @@ the sparse MoE block of celerytp.layers.moe.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
@@ -31,7 +30,7 @@ from celerytp.layers.partition import split_heads
 from celerytp.layers.recurrent_state import RecurrentState
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
 from celerytp.loading.checkpoint import Checkpoint
-from celerytp.models.base import BuildOptions, CausalLM, Progress
+from celerytp.models.base import BuildOptions, CausalLM, Progress, cache_rows, common_prefix
 from celerytp.models.hybrid_config import HybridConfig
 
 log = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ class Qwen3NextAttention(nn.Module):
         )  # fmt: skip
         self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
         self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
-        self.kv_cache = KVCache(1, self.num_kv_heads, options.max_context, hd, **common)
+        self.kv_cache = KVCache(cache_rows(options), self.num_kv_heads, options.max_context, hd, **common)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         B, T, _ = x.shape
@@ -113,7 +112,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         common = {"dtype": options.dtype, "device": options.device}
         self.is_linear = config.layer_types[index] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(linear_attention_dims(config), options.tp, **common)
+            self.linear_attn = GatedDeltaNet(linear_attention_dims(config), options.tp, cache_rows(options), **common)
         else:
             self.self_attn = Qwen3NextAttention(config, options)
         self.mlp: nn.Module
@@ -129,7 +128,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         h = self.input_layernorm(x)
-        h = x + (self.linear_attn(h) if self.is_linear else self.self_attn(h, cos, sin, slots))
+        h = x + (self.linear_attn(h, slots) if self.is_linear else self.self_attn(h, cos, sin, slots))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -145,12 +144,6 @@ class Qwen3NextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, options.max_context, config.rope, device=options.device)
 
     def forward(self, ids: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
-        B, T = ids.shape
-        if B != 1 or slots.first_row != 0:
-            raise NotImplementedError("hybrid models keep one sequence (batch size 1, cache row 0)")
-        if slots.length == T:  # offset 0: a new sequence starts from empty recurrent state
-            for state in self.recurrent_states():
-                state.reset()
         h = self.embed_tokens(ids)  # (B, T, D)
         cos, sin = self.rotary_emb(slots.positions, h.dtype)  # (B, T, rotary_dim) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, rotary_dim): broadcast over heads
@@ -170,11 +163,9 @@ class Qwen3NextForCausalLM(CausalLM):
     """
 
     packed_modules_mapping = CausalLM.packed_modules_mapping | {"in_proj": FUSED_PROJECTIONS}
+    batched_prefill = False
 
     def __init__(self, config: HybridConfig, options: BuildOptions) -> None:  # type: ignore[override]
-        if options.max_batch != 1:  # one sequence's recurrent state: report 1 row, not fail the load
-            log.info("%s keeps one sequence; max_batch %d -> 1", config.model_type, options.max_batch)
-            options = dataclasses.replace(options, max_batch=1)
         super().__init__(config, options)  # type: ignore[arg-type]
         self.model = Qwen3NextModel(config, options)
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
@@ -185,7 +176,17 @@ class Qwen3NextForCausalLM(CausalLM):
     def clear_cache(self, row: int | None = None) -> None:
         super().clear_cache(row)
         for state in self.model.recurrent_states():
-            state.reset()
+            state.reset(row)
+
+    def reusable_prefix(self, held: list[int], prompt: list[int]) -> int:
+        """Only a prompt that extends the row's whole history can continue its recurrent state."""
+        return len(held) if len(held) < len(prompt) and common_prefix(held, prompt) == len(held) else 0
+
+    def truncate(self, row: int, keep: int) -> None:
+        """Recurrent state holds a whole history: keep all of it or none, never a prefix."""
+        if keep not in (0, self.cache_lens[row]):
+            raise ValueError(f"row {row}: recurrent state cannot be cut back to {keep} of {self.cache_lens[row]} tokens")
+        super().truncate(row, keep)
 
     def memory_report(self) -> dict[str, int]:
         """As CausalLM's; `kv_cache_bytes` includes the recurrent state (also reported alone)."""

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from celerytp.core import protocol as p
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.worker import generate_op, group_ops, model_ops
+from celerytp.worker import group_ops, model_ops, serve_op
 from celerytp.worker.state import RankState
 
 log = logging.getLogger(__name__)
@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 class Handler(NamedTuple):
     run: Callable[[RankState, Any], p.Reply]
     collective: bool  # ranks first agree on the op sequence, then enter collectives
+    on_error: Callable[[RankState, Any, CeleryTPError], None] | None = None  # after any failure of the op
 
 
 HANDLERS: dict[str, Handler] = {
@@ -28,21 +29,26 @@ HANDLERS: dict[str, Handler] = {
     "step": Handler(model_ops.step, collective=True),
     "clear_kv_cache": Handler(model_ops.clear_kv_cache, collective=False),
     "unload": Handler(model_ops.unload, collective=False),
-    "generate": Handler(generate_op.generate, collective=True),
+    "serve": Handler(serve_op.serve, collective=True, on_error=serve_op.refuse_queued),
 }
 assert set(HANDLERS) == set(p.REQUESTS), "every protocol op has exactly one handler"
 
 
 def handle(state: RankState, op: str, data: Any) -> dict:
     """Run one op and return its JSON reply; never raises for expected failures."""
+    request, handler = None, HANDLERS[op]
     try:
         request = p.parse_request(data, expected_op=op)
-        handler = HANDLERS[op]
         state.check_order(request.seq, handler.collective)
         reply = handler.run(state, request)
     except CeleryTPError as exc:
+        if handler.on_error is not None and request is not None:
+            handler.on_error(state, request, exc)
         return p.error_reply(state.rank, exc.kind, exc.message)
     except Exception as exc:  # the worker must survive whatever an op raises
         log.exception("op %s failed", op)
-        return p.error_reply(state.rank, ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+        error = CeleryTPError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if handler.on_error is not None and request is not None:
+            handler.on_error(state, request, error)
+        return p.error_reply(state.rank, error.kind, error.message)
     return reply.model_dump(mode="json")

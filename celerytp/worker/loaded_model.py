@@ -9,23 +9,32 @@ from dataclasses import dataclass, field
 import torch
 
 from celerytp.models import CausalLM
+from celerytp.worker.sampling import RowSampler
 
 
 @dataclass
 class LoadedModel:
-    """A model shard and what its sequence needs between steps."""
+    """A model shard, its serving settings, and step mode's sequence (in its own cache row)."""
 
     model: CausalLM
     path: str
-    history: list[int] = field(default_factory=list)  # tokens in the KV cache (repetition penalty)
-    generator: torch.Generator | None = None
-    generator_seed: int | None = None
+    prefill_budget: int = 256  # prompt tokens per serving step
+    idle_s: float = 1.0  # a serving loop with no work ends after this
+    history: list[int] = field(default_factory=list)  # step mode's tokens in its row (repetition penalty)
+    step_sampler: RowSampler | None = None  # rank 0: step mode's sampling state
+    row_tokens: dict[int, list[int]] = field(default_factory=dict)  # served rows: tokens in each (prefix reuse)
 
     def reset_sequence(self) -> None:
-        """Forget step mode's sequence (the cache rows are about to be reused)."""
-        self.model.clear_cache()
+        """Forget step mode's sequence; the served rows are not touched."""
+        self.model.clear_cache(self.model.step_row)
         self.history.clear()
-        self.generator, self.generator_seed = None, None
+        self.step_sampler = None
+
+    def forget_all(self) -> None:
+        """Empty every cache row: step mode's and the served ones (no prefix is reused after)."""
+        self.model.clear_cache()
+        self.reset_sequence()
+        self.row_tokens.clear()
 
 
 def release_memory() -> None:

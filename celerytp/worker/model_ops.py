@@ -18,7 +18,7 @@ from celerytp.core.sampling import SamplingParams
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.models import load_model
 from celerytp.worker.loaded_model import LoadedModel, release_memory
-from celerytp.worker.sampling import make_generator, sample_next, token_logprob, top_logprobs
+from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
 from celerytp.worker.state import RankState, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
             path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
             max_context=request.max_context, max_batch=request.max_batch,
             progress=ProgressReporter(state, request.model_id),
-            quant=request.quant,
+            quant=request.quant, kv_cache_bytes=request.kv_cache_bytes,
         )
     except CeleryTPError as exc:
         failure = exc
@@ -97,13 +97,14 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         del model
         release_memory()
         raise failure
-    state.models[request.model_id] = LoadedModel(model, str(path))
+    state.models[request.model_id] = LoadedModel(model, str(path), request.prefill_budget, request.idle_s)
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS
     memory = model.memory_report()
     config = model.config
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
-        vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch, num_layers=config.num_layers,
+        vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,
+        prefill_budget=request.prefill_budget, idle_s=request.idle_s, num_layers=config.num_layers,
         sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],
         kv_cache_bytes=memory["kv_cache_bytes"], rss_bytes=rss_bytes(), load_s=round(time.monotonic() - started, 3),
     )
@@ -132,16 +133,21 @@ def step(state: RankState, request: p.StepRequest) -> p.StepResult:
     tokens = torch.tensor(request.tokens, dtype=torch.long, device=state.device)
     started = time.perf_counter()
     logits = state.run_model(lambda: model.forward_tokens(tokens, request.offset, last_only=True))  # (1, vocab)
-    entry.history.extend(request.tokens)
     reply = p.StepResult(
         rank=state.rank, model_id=request.model_id, cache_len=model.cache_len, compute_s=time.perf_counter() - started
     )
-    if state.rank != 0 or not request.sample:
+    if state.rank != 0:
+        return reply
+    sampler = entry.step_sampler
+    if sampler is None or sampler.params != params:  # a new sequence, or new parameters: start over
+        sampler = entry.step_sampler = RowSampler.create(params, model.config.vocab_size, entry.history)
+    entry.history.extend(request.tokens)
+    for token in request.tokens:
+        sampler.saw(token)
+    if not request.sample:
         return reply
     last = logits[-1].float()  # (vocab,)
-    if entry.generator is None or entry.generator_seed != params.seed:
-        entry.generator, entry.generator_seed = make_generator(params.seed, last.device), params.seed
-    token = sample_next(last, params, entry.generator, entry.history)
+    token = sample_rows(last[None], [sampler])[0]
     return reply.model_copy(
         update={
             "token": token,
@@ -154,8 +160,7 @@ def step(state: RankState, request: p.StepRequest) -> p.StepResult:
 
 def clear_kv_cache(state: RankState, request: p.ClearKVCacheRequest) -> p.Cleared:
     entry = model_entry(state, request.model_id)
-    entry.model.clear_cache()
-    entry.history.clear()
+    entry.forget_all()
     return p.Cleared(rank=state.rank, model_id=request.model_id)
 
 

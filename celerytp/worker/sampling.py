@@ -1,12 +1,23 @@
-"""Next-token sampling as small pure functions (gpt-fast style) with a seeded generator."""
+"""Next-token sampling for a batch of rows in one pass (rank 0), each row with its own
+parameters and seeded generator.
+
+Greedy rows take the argmax. The others: repetition penalty from a per-row presence mask,
+temperature, top-k and top-p over a sorted candidate list, then one inverse-CDF draw from a
+uniform number of the row's own generator, so a seeded request samples the same tokens
+whatever else shares its batch. Top-p needs the vocabulary sorted only as far as its nucleus:
+candidates come from a top-k prefilter, and a row falls back to a full sort only when the
+prefilter's mass does not reach its top_p.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from celerytp.core.sampling import SamplingParams
+
+TOP_P_PREFILTER = 1024  # candidates a top-p row starts from before a full sort is needed
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
@@ -18,49 +29,95 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     return generator
 
 
-def apply_repetition_penalty(logits: torch.Tensor, history: Iterable[int], penalty: float) -> torch.Tensor:
-    """Make tokens in `history` less likely: positive logits / penalty, negative * penalty."""
-    ids = sorted(set(history))
-    if penalty == 1.0 or not ids:
+@dataclass
+class RowSampler:
+    """One request's sampling state: its parameters, generator and the tokens it has seen.
+
+    Args:
+        params: the request's sampling parameters.
+        vocab_size: logits width.
+        history: tokens already seen (the prompt), for the repetition penalty.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    presence: torch.Tensor | None  # (V,) bool; None when the penalty is off
+
+    @classmethod
+    def create(cls, params: SamplingParams, vocab_size: int, history: list[int] = ()) -> RowSampler:
+        presence = None
+        if params.repetition_penalty != 1.0:
+            presence = torch.zeros(vocab_size, dtype=torch.bool)
+            presence[torch.tensor(list(history), dtype=torch.long)] = True
+        return cls(params, make_generator(params.seed), presence)
+
+    def saw(self, token: int) -> None:
+        if self.presence is not None:
+            self.presence[token] = True
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampler]) -> list[int]:
+    """Pick the next token of each row from (B, V) logits; temperature 0 is argmax."""
+    logits = apply_repetition_penalty(logits.float().cpu(), rows)
+    tokens = logits.argmax(-1)  # (B,): right for greedy rows, replaced below for the others
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        params = [rows[i].params for i in drawn]
+        u = torch.cat([torch.rand(1, generator=rows[i].generator) for i in drawn])  # (S,)
+        probs, ids = candidate_probs(
+            logits[drawn],
+            torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params]),
+        )  # (S, K) each
+        cdf = probs.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=ids.shape[1] - 1)  # (S, 1)
+        tokens[drawn] = ids.gather(1, pick)[:, 0]
+    return tokens.tolist()
+
+
+def apply_repetition_penalty(logits: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
+    """Seen tokens become less likely: positive logits / penalty, negative * penalty (CTRL)."""
+    penalized = [i for i, row in enumerate(rows) if row.presence is not None]
+    if not penalized:
         return logits
-    out = logits.clone()
-    index = torch.tensor(ids, dtype=torch.long, device=logits.device)
-    seen = out[..., index]
-    out[..., index] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return out
+    seen = torch.stack([rows[i].presence for i in penalized])  # (P, V)
+    penalty = torch.tensor([rows[i].params.repetition_penalty for i in penalized])[:, None]  # (P, 1)
+    part = logits[penalized]
+    logits = logits.clone()
+    logits[penalized] = torch.where(seen, torch.where(part > 0, part / penalty, part * penalty), part)
+    return logits
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """(V,) logits -> (V,) probabilities after temperature, top-k and top-p filtering."""
-    logits = logits.float() / max(temperature, 1e-5)
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[..., -1:]  # (1,)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # (V,) probability ranked above each
-        drop_sorted = mass_before >= top_p  # never drops the most likely token (mass 0 above it)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+def candidate_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens each row may draw and their probabilities, most likely first.
+
+    logits (S, V); temperature, top_k (0 = all), top_p (S,). Returns (probs, ids), both
+    (S, K): zero probability past a row's own cut. Top-k renormalizes over its k tokens;
+    top-p keeps the smallest most-likely set whose mass reaches top_p (never empty).
+    """
+    S, V = logits.shape
+    x = logits / temperature.clamp(min=1e-5)[:, None]
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # (S,)
+    width = torch.where(k < V, k, torch.where(top_p < 1, min(V, TOP_P_PREFILTER), V))
+    values, ids = torch.topk(x, int(width.max()))  # (S, K) sorted
+    cut = torch.arange(values.shape[1])[None] >= k[:, None]  # past each row's top-k
+    renormalized = torch.softmax(values.masked_fill(cut, float("-inf")), -1)
+    whole = torch.softmax(x, -1).gather(1, ids)  # probabilities over the whole vocabulary
+    probs = torch.where((k < V)[:, None], renormalized, whole)
+    short = (k == V) & (top_p < 1) & (probs.sum(-1) < top_p) & (values.shape[1] < V)
+    if bool(short.any()):  # the prefilter missed part of a nucleus: sort those rows fully
+        full_values, full_ids = torch.sort(x[short], descending=True)
+        probs, ids = _widen(probs, V), _widen(ids, V)
+        probs[short], ids[short] = torch.softmax(full_values, -1), full_ids
+    mass_before = probs.cumsum(-1) - probs
+    return probs.masked_fill(mass_before >= top_p[:, None], 0.0), ids
 
 
-def sample_next(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    history: Iterable[int] = (),
-) -> int:
-    """Pick the next token from (V,) logits; temperature 0 is argmax."""
-    logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-    if generator is not None and probs.device != generator.device:
-        probs = probs.to(generator.device)  # a CPU generator cannot draw for CUDA tensors
-    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:

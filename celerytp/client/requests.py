@@ -1,0 +1,145 @@
+"""Generation requests from any leader: queue them for a model's serving loop and follow them.
+
+A request goes onto the model's Redis queue; if no serving loop runs, the submitter starts one
+with a `serve` chord. Its tokens (when streamed) and its result come back on the request's
+Redis Stream, readable from any process. A waiter whose request is still queued while no loop
+runs starts one itself, so no request is stranded (core/redis_scripts.py has the scripts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import redis
+
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.keys import cancel_key, loop_key, queue_key, stream_key
+from celerytp.core.protocol import RowResult
+from celerytp.core.redis_scripts import RESTART_IF_STRANDED, SUBMIT
+
+LOOP_START_TTL_S = 120  # the loop flag until the loop's rank 0 takes it over (it may queue behind an op)
+STRANDED_CHECK_S = 0.5  # how often a waiter with no news checks that a loop will take its request
+CANCEL_TTL_S = 600
+
+StartLoop = Callable[[str, str], None]  # (model_id, loop_id): publish a serve chord
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+
+
+@dataclass(frozen=True)
+class Done:
+    result: RowResult
+
+
+class RequestQueues:
+    """The leader side of every model's request queue in one group.
+
+    Args:
+        client: Redis of the group.
+        group: the group name.
+        start_loop: publishes a `serve` chord for (model_id, loop_id).
+    """
+
+    def __init__(self, client: redis.Redis, group: str, start_loop: StartLoop):
+        self._redis = client
+        self._group = group
+        self._start_loop = start_loop
+        self._submit = client.register_script(SUBMIT)
+        self._restart = client.register_script(RESTART_IF_STRANDED)
+        self._followed: dict[str, tuple[str, str]] = {}  # request id -> (model id, queued JSON)
+
+    def submit(self, model_id: str, spec: dict, max_queue: int) -> PendingRequest:
+        """Queue `spec` (a GenSpec) for `model_id`; CeleryTPError(overloaded) when the queue is full."""
+        spec = {**spec, "submitted_at": time.time()}
+        item = json.dumps(spec)
+        keys = [queue_key(self._group, model_id), loop_key(self._group, model_id)]
+        loop_id = uuid.uuid4().hex
+        outcome = int(self._submit(keys=keys, args=[item, max_queue, loop_id, LOOP_START_TTL_S]))
+        if outcome < 0:
+            raise CeleryTPError(
+                ErrorKind.OVERLOADED, f"model {model_id!r} has {max_queue} requests queued already; try again later"
+            )
+        if outcome == 1:
+            self._start_loop(model_id, loop_id)
+        self._followed[spec["request_id"]] = (model_id, item)
+        return PendingRequest(self, model_id, spec["request_id"], item)
+
+    def ensure_loop(self, model_id: str, item: str) -> None:
+        """Start a loop for a request still queued with no loop to take it."""
+        keys = [queue_key(self._group, model_id), loop_key(self._group, model_id)]
+        loop_id = uuid.uuid4().hex
+        if int(self._restart(keys=keys, args=[item, loop_id, LOOP_START_TTL_S])):
+            self._start_loop(model_id, loop_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request: a queued one never runs, a running one stops within a step.
+
+        A request this leader submitted is taken off the queue at once (with its done record);
+        any other is stopped by rank 0, which sees the cancel key when it takes or steps it.
+        """
+        self._redis.set(cancel_key(self._group, request_id), 1, ex=CANCEL_TTL_S)
+        model_id, item = self._followed.get(request_id, (None, None))
+        if item is not None and self._redis.lrem(queue_key(self._group, model_id), 1, item):
+            spec = json.loads(item)
+            result = RowResult(
+                request_id=request_id, token_ids=[], finish_reason="cancelled", prompt_tokens=len(spec["prompt"]),
+                ttft_s=0.0, decode_s=0.0,
+            )
+            key = stream_key(self._group, request_id)
+            self._redis.xadd(key, {"done": result.model_dump_json()})
+            self._redis.expire(key, CANCEL_TTL_S)
+
+    def events(self, model_id: str, request_id: str, item: str, deadline: float) -> Iterator[Token | Done]:
+        """The request's tokens (if streamed) then its result; raises its error or a timeout."""
+        key = stream_key(self._group, request_id)
+        last, checked = "0-0", time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now > deadline:
+                    raise CeleryTPError(ErrorKind.TIMEOUT, f"request {request_id}: no result within the deadline")
+                reply = self._redis.xread({key: last}, count=256, block=int(min(0.25, deadline - now) * 1000) + 1)
+                if not reply:
+                    if now - checked > STRANDED_CHECK_S and last == "0-0":
+                        self.ensure_loop(model_id, item)
+                        checked = now
+                    continue
+                for entry_id, fields in reply[0][1]:
+                    last = entry_id
+                    if b"t" in fields:
+                        yield Token(int(fields[b"t"]))
+                    elif b"done" in fields:
+                        yield Done(RowResult.model_validate_json(fields[b"done"]))
+                        return
+                    elif b"error" in fields:
+                        error = json.loads(fields[b"error"])
+                        raise CeleryTPError(error["kind"], error["message"], op="generate")
+        finally:
+            self._followed.pop(request_id, None)
+            self._redis.delete(key)
+
+
+@dataclass
+class PendingRequest:
+    """A queued request: follow it with `events` or wait for `result`."""
+
+    queues: RequestQueues
+    model_id: str
+    request_id: str
+    item: str  # the queued JSON (identifies it in the queue)
+
+    def events(self, timeout: float) -> Iterator[Token | Done]:
+        return self.queues.events(self.model_id, self.request_id, self.item, time.monotonic() + timeout)
+
+    def result(self, timeout: float) -> RowResult:
+        for event in self.events(timeout):
+            if isinstance(event, Done):
+                return event.result
+        raise CeleryTPError(ErrorKind.INTERNAL, f"request {self.request_id}: its stream ended without a result")

@@ -1,0 +1,395 @@
+"""The serving loop (continuous batching): every rank runs it in lockstep while a model has work.
+
+Each step starts with one broadcast from rank 0, the plan: the token each running row feeds
+next or that the row is done, and the requests admitted into free cache rows (with how much
+of their prompt a row already holds). Then every rank runs the same forwards: one decode over
+the first R cache rows (finished or free rows ride along masked, no cache is copied) and
+prompt chunks of admitted rows up to a per-step token budget, so a long prompt never stalls
+running streams for its whole prefill. Rank 0 alone talks to Redis and samples; whatever it
+does alone that fails travels in the next plan as an abort, so no rank is left in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.protocol import GenSpec, RowResult
+from celerytp.core.stopping import StopChecker
+from celerytp.core.validation import check_tokens, sampling_params
+from celerytp.distributed.tp import TPContext
+from celerytp.models import CausalLM
+from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
+
+# Plan commands, and per-row news in a plan.
+STEP, EXIT, ABORT = 0, 1, 2
+NO_NEWS, FEED, DONE = 0, 1, 2
+_HEADER = 2  # [command, payload bytes]
+
+
+@dataclass
+class Sequence:
+    """A request in a cache row. Every rank tracks its progress; rank 0 also samples and stops it."""
+
+    spec: GenSpec
+    row: int
+    reused: int  # prompt tokens the row already held
+    fed: int  # prompt tokens in the cache so far
+    next_token: int = -1  # decoded next (after the prompt is in)
+    # rank 0 only
+    sampler: RowSampler | None = None
+    checker: StopChecker | None = None
+    admitted_at: float = 0.0
+    queued_s: float = 0.0
+    first_token_at: float = 0.0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.spec.prompt)
+
+
+@dataclass
+class Finished:
+    """A request rank 0 has finished: its result (or error) for the requester."""
+
+    result: RowResult | None = None
+    error: CeleryTPError | None = None
+    request_id: str = ""
+
+
+@dataclass
+class Events:
+    """What rank 0 tells requesters after a step: streamed tokens and finished requests."""
+
+    tokens: list[tuple[GenSpec, int]] = field(default_factory=list)
+    finished: list[tuple[GenSpec, Finished]] = field(default_factory=list)
+
+
+class RequestSource(Protocol):
+    """Rank 0's side of the loop: the request queue and the requesters (Redis in a worker)."""
+
+    def take(self, count: int) -> list[GenSpec]:
+        """Up to `count` queued requests, oldest first (cancelled ones already answered)."""
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to `seconds` for queued work; True when there is some."""
+
+    def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
+        """Deliver `events`; return which of the `running` request ids were cancelled."""
+
+    def yield_wanted(self) -> bool:
+        """Another op waits for this rank: stop admitting and end the loop."""
+
+    def try_exit(self) -> bool:
+        """End the loop unless requests were queued meanwhile (atomically with submitters)."""
+
+
+@dataclass
+class Plan:
+    command: int
+    news: list[tuple[int, int]]  # per cache row: (NO_NEWS | FEED | DONE, token)
+    admissions: list[tuple[GenSpec, int, int]]  # (spec, row, reused)
+    error: tuple[str, str] | None = None  # (kind, message) of an abort
+
+
+class ServingLoop:
+    """One model's serving loop on one rank; call `run()` on every rank at once.
+
+    Args:
+        model: this rank's shard.
+        tp: the process group (rank 0 plans, samples and broadcasts).
+        row_tokens: tokens held in each served cache row, kept across loops (prefix reuse).
+        prefill_budget: prompt tokens run per step.
+        idle_s: how long the loop waits for work before it ends.
+        source: rank 0's request queue and requesters (unused on other ranks).
+        decode: token ids -> text, for stop strings (rank 0).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tp: TPContext,
+        row_tokens: dict[int, list[int]],
+        prefill_budget: int,
+        idle_s: float,
+        source: RequestSource | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ):
+        self.model = model
+        self.tp = tp
+        self.rows = model.max_batch
+        self.row_tokens = row_tokens
+        self.prefill_budget = prefill_budget
+        self.idle_s = idle_s
+        self.source = source
+        self.decode = decode
+        self.is_sampler = tp.rank == 0
+        self.running: dict[int, Sequence] = {}  # cache row -> its request
+        self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0}
+        self._news: list[tuple[int, int]] = [(NO_NEWS, 0)] * self.rows
+        self._events = Events()
+        self._yielding = False
+        self._abort: tuple[str, str] | None = None  # rank 0's own failure, sent in the next plan
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> dict[str, int]:
+        """Serve until the queue stays empty for idle_s (or another op waits); rank 0's figures."""
+        while True:
+            plan = self._exchange(self._plan() if self.is_sampler else None)
+            if plan.command == ABORT:
+                raise CeleryTPError(*plan.error)
+            self._apply(plan)
+            if plan.command == EXIT:
+                self.flush()
+                return self.stats
+            self.stats["steps"] += 1
+            self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.running))
+            sampled = self._forward()
+            if self.is_sampler:
+                self._guarded(lambda: self._sample(sampled))
+
+    def running_requests(self) -> list[GenSpec]:
+        return [seq.spec for seq in self.running.values()]
+
+    def flush(self) -> None:
+        """Rank 0: deliver what is still undelivered (results of the last step, cancellations)."""
+        if self.is_sampler and (self._events.tokens or self._events.finished):
+            events, self._events = self._events, Events()
+            self.source.publish(events, [], self._live_stats())
+
+    # ---- rank 0: the plan ----------------------------------------------------------------
+
+    def _plan(self) -> Plan:
+        plan = Plan(STEP, self._news, [])
+        self._news = [(NO_NEWS, 0)] * self.rows
+        if self._abort is not None:
+            return Plan(ABORT, plan.news, [], self._abort)
+        try:
+            self._deliver(plan)
+            if not self._yielding:
+                self._yielding = self.source.yield_wanted()
+            if not self._yielding:
+                self._admit(plan)
+            if not plan.admissions and len(self.running) == len(_done_rows(plan)):
+                if self._yielding or not self.source.wait(self.idle_s) and self.source.try_exit():
+                    plan.command = EXIT
+                elif not self._yielding:
+                    self._admit(plan)
+        except Exception as exc:  # Redis down, a bad queued entry: every rank leaves together
+            return Plan(ABORT, plan.news, [], (ErrorKind.INTERNAL, f"rank 0: {type(exc).__name__}: {exc}"))
+        return plan
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """Run rank 0's solo work; a failure becomes the next plan's abort instead of a lone exit."""
+        try:
+            work()
+        except Exception as exc:
+            self._abort = (ErrorKind.INTERNAL, f"rank 0: {type(exc).__name__}: {exc}")
+
+    def _deliver(self, plan: Plan) -> None:
+        """Publish last step's tokens and results; turn cancellations into finished rows."""
+        running = [seq.spec.request_id for row, seq in self.running.items() if plan.news[row][0] != DONE]
+        cancelled = self.source.publish(self._events, running, self._live_stats())
+        self._events = Events()
+        for row, seq in self.running.items():
+            if seq.spec.request_id in cancelled and plan.news[row][0] != DONE:
+                plan.news[row] = (DONE, -1)
+                self._events.finished.append((seq.spec, Finished(self._result(seq, "cancelled"))))
+
+    def _admit(self, plan: Plan) -> None:
+        taken = {row for _, row, _ in plan.admissions}
+        free = [r for r in range(self.rows) if (r not in self.running or plan.news[r][0] == DONE) and r not in taken]
+        for spec in self.source.take(len(free)) if free else []:
+            try:
+                self._check(spec)
+            except CeleryTPError as exc:  # answered at once; the loop goes on
+                self._events.finished.append((spec, Finished(error=exc)))
+                continue
+            row, reused = max(((r, self.model.reusable_prefix(self.row_tokens.get(r, []), spec.prompt)) for r in free),
+                              key=lambda choice: (choice[1], -choice[0]))  # longest reuse, then the lowest row
+            free.remove(row)
+            plan.admissions.append((spec, row, reused))
+
+    def _check(self, spec: GenSpec) -> None:
+        """What a rank must refuse before a request enters a row (the leader checked it too)."""
+        check_tokens(spec.prompt, max_context=self.model.max_context, vocab_size=self.model.config.vocab_size,
+                     field="prompt")
+        sampling_params(spec.sampling)
+
+    def _live_stats(self) -> dict[str, int]:
+        return {**self.stats, "running_rows": len(self.running)}
+
+    # ---- every rank: exchange and apply the plan -----------------------------------------
+
+    def _exchange(self, plan: Plan | None) -> Plan:
+        """Rank 0's plan to every rank: one broadcast, plus one for the admissions when there are any."""
+        header = torch.zeros(_HEADER + 2 * self.rows, dtype=torch.long)
+        payload = b""
+        if plan is not None:
+            extra = plan.error if plan.command == ABORT else [[s.model_dump(), r, n] for s, r, n in plan.admissions]
+            payload = json.dumps(extra).encode() if extra else b""
+            header[0], header[1] = plan.command, len(payload)
+            header[_HEADER:] = torch.tensor(plan.news, dtype=torch.long).flatten()
+        self.tp.broadcast(header, src=0)
+        command, size = int(header[0]), int(header[1])
+        news = [tuple(pair) for pair in header[_HEADER:].view(self.rows, 2).tolist()]
+        if size:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if plan else torch.empty(size, dtype=torch.uint8)
+            self.tp.broadcast(data, src=0)
+            extra = json.loads(data.numpy().tobytes())
+        else:
+            extra = []
+        if command == ABORT:
+            return Plan(ABORT, news, [], tuple(extra) if extra else (ErrorKind.INTERNAL, "serving loop aborted"))
+        admissions = [(GenSpec.model_validate(s), r, n) for s, r, n in extra]
+        return Plan(command, news, admissions)
+
+    def _apply(self, plan: Plan) -> None:
+        for row, (kind, token) in enumerate(plan.news):
+            seq = self.running.get(row)
+            if seq is None or kind == NO_NEWS:
+                continue
+            if kind == DONE:
+                del self.running[row]
+            else:
+                seq.next_token = token
+        for spec, row, reused in plan.admissions:
+            self.model.truncate(row, reused)
+            self.row_tokens[row] = list(spec.prompt[:reused])
+            seq = Sequence(spec, row, reused, reused)
+            if self.is_sampler:
+                self._start(seq)
+            self.running[row] = seq
+            self.stats["requests"] += 1
+            self.stats["reused_tokens"] += reused
+
+    def _start(self, seq: Sequence) -> None:
+        spec = seq.spec
+        seq.sampler = RowSampler.create(sampling_params(spec.sampling), self.model.config.vocab_size, spec.prompt)
+        seq.checker = StopChecker(
+            set(spec.eos_token_ids), spec.max_tokens, len(spec.prompt), self.model.max_context, spec.stop, self.decode
+        )
+        seq.admitted_at = time.perf_counter()
+        seq.queued_s = max(0.0, time.time() - spec.submitted_at) if spec.submitted_at else 0.0
+        seq.logprobs = [] if seq.sampler.params.logprobs else None
+
+    # ---- every rank: the forwards --------------------------------------------------------
+
+    def _forward(self) -> list[tuple[Sequence, torch.Tensor]]:
+        """Decode running rows, prefill admitted ones within the budget; logits of rows to sample."""
+        out: list[tuple[Sequence, torch.Tensor]] = []
+        decoding = [seq for seq in self.running.values() if not seq.prefilling and seq.next_token >= 0]
+        if decoding:
+            width = max(seq.row for seq in decoding) + 1
+            tokens, active = [0] * width, [False] * width
+            for seq in decoding:
+                tokens[seq.row], active[seq.row] = seq.next_token, True
+            logits = self.model.decode(tokens, active)  # (A, V) in row order
+            for seq, row_logits in zip(sorted(decoding, key=lambda s: s.row), logits):
+                self.row_tokens[seq.row].append(seq.next_token)
+                seq.next_token = -1
+                out.append((seq, row_logits))
+        out += self._prefill([seq for seq in self.running.values() if seq.prefilling])
+        return out
+
+    def _prefill(self, waiting: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
+        out = []
+        budget = self.prefill_budget
+        fresh = [s for s in waiting if s.fed == 0]
+        if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.spec.prompt) for s in fresh) <= budget:
+            # Short new prompts: one padded forward reads the weights once for all of them.
+            logits = self.model.prefill_rows([s.spec.prompt for s in fresh], [s.row for s in fresh])
+            for seq, row_logits in zip(fresh, logits):
+                self._prefilled(seq, len(seq.spec.prompt))
+                out.append((seq, row_logits))
+            budget -= sum(len(s.spec.prompt) for s in fresh)
+            waiting = [s for s in waiting if s not in fresh]
+        for seq in waiting:
+            if budget <= 0:
+                break
+            end = min(len(seq.spec.prompt), seq.fed + budget)
+            piece = torch.tensor(seq.spec.prompt[seq.fed : end], dtype=torch.long)
+            logits = self.model.forward_tokens(piece, seq.fed, last_only=True, row=seq.row)
+            budget -= end - seq.fed
+            self._prefilled(seq, end)
+            if not seq.prefilling:
+                out.append((seq, logits[-1]))
+        return out
+
+    def _prefilled(self, seq: Sequence, end: int) -> None:
+        self.row_tokens[seq.row].extend(seq.spec.prompt[seq.fed : end])
+        seq.fed = end
+
+    # ---- rank 0: sampling and stopping ---------------------------------------------------
+
+    def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
+        if not sampled:
+            return
+        seqs = [seq for seq, _ in sampled]
+        logits = torch.stack([row_logits for _, row_logits in sampled])  # (S, V)
+        tokens = sample_rows(logits, [seq.sampler for seq in seqs])
+        now = time.perf_counter()
+        for seq, token, row_logits in zip(seqs, tokens, logits):
+            seq.first_token_at = seq.first_token_at or now
+            seq.sampler.saw(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append((token_logprob(row_logits, token), top_logprobs(row_logits, seq.sampler.params.logprobs)))
+            reason = seq.checker.after(token)
+            if seq.spec.stream and token not in seq.checker.eos_ids:
+                self._events.tokens.append((seq.spec, token))
+            if reason is None:
+                self._news[seq.row] = (FEED, token)
+            else:
+                self._news[seq.row] = (DONE, token)
+                self._events.finished.append((seq.spec, Finished(self._result(seq, reason))))
+
+    def _result(self, seq: Sequence, reason: str) -> RowResult:
+        now = time.perf_counter()
+        first = seq.first_token_at or now
+        return RowResult(
+            request_id=seq.spec.request_id, token_ids=seq.checker.token_ids, finish_reason=reason,
+            matched_stop=seq.checker.matched, prompt_tokens=len(seq.spec.prompt),
+            ttft_s=seq.queued_s + (first - seq.admitted_at), decode_s=now - first, queued_s=seq.queued_s,
+            reused_tokens=seq.reused, logprobs=seq.logprobs,
+        )
+
+
+def _done_rows(plan: Plan) -> list[int]:
+    return [row for row, (kind, _) in enumerate(plan.news) if kind == DONE]
+
+
+class ListSource:
+    """A RequestSource over a Python list, for driving the loop without Redis (bare SPMD runs,
+    tests). Results collect in `results` by request id."""
+
+    def __init__(self, specs: list[GenSpec]):
+        self.queue = list(specs)
+        self.results: dict[str, Finished] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def take(self, count: int) -> list[GenSpec]:
+        taken, self.queue = self.queue[:count], self.queue[count:]
+        return taken
+
+    def wait(self, seconds: float) -> bool:
+        return bool(self.queue)
+
+    def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
+        for spec, token in events.tokens:
+            self.tokens.setdefault(spec.request_id, []).append(token)
+        self.results.update((spec.request_id, finished) for spec, finished in events.finished)
+        return set()
+
+    def yield_wanted(self) -> bool:
+        return False
+
+    def try_exit(self) -> bool:
+        return not self.queue

@@ -1,0 +1,159 @@
+"""Continuous batching on the real default model: requests join and leave a running serving
+loop at token boundaries, from any leader in any process, with prefix reuse and cancellation."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from celerytp import Leader
+from celerytp.cluster import LocalCluster
+from celerytp.core.keys import loop_key
+
+pytestmark = pytest.mark.slow
+
+TARGET = dict(prompt="The history of Rome in one sentence:", max_tokens=16, temperature=0)
+
+
+def start(world_size: int):
+    cluster = LocalCluster(world_size=world_size, group=f"serving{world_size}")
+    cluster.start()
+    # f32: exact float weights, so a row's greedy tokens do not depend on its batch
+    cluster.leader.load("smol", None, quant="f32", max_batch=16, idle_s=0.3)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    cluster = start(2)
+    yield cluster.leader
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    cluster = start(1)
+    yield cluster.leader
+    cluster.stop()
+
+
+@pytest.mark.parametrize("which", ["tp1", "tp2"])
+def test_greedy_tokens_alone_joining_midway_and_beside_15_others(which, request):
+    leader = request.getfixturevalue(which)
+    alone = leader.generate("smol", **TARGET).token_ids
+    assert len(alone) == 16
+
+    long = leader.stream("smol", prompt="Once upon a time", max_tokens=60, temperature=0, ignore_eos=True)
+    deltas = iter(long)
+    next(deltas), next(deltas)  # the long request is decoding now
+    joined = leader.generate("smol", **TARGET)
+    assert "".join(deltas) and long.result.completion_tokens == 60
+    assert joined.token_ids == alone
+
+    with ThreadPoolExecutor(16) as pool:
+        others = [pool.submit(leader.generate, "smol", prompt=f"Item {i}:", max_tokens=16, temperature=0) for i in range(15)]
+        beside = pool.submit(leader.generate, "smol", **TARGET)
+        assert all(len(f.result(300).token_ids) <= 16 for f in others)
+    assert beside.result().token_ids == alone
+    assert leader.serving_stats("smol")["peak_rows"] >= 8
+
+
+def test_a_short_request_overtakes_a_long_one_and_a_running_one_cancels(tp2):
+    long = tp2.stream("smol", prompt="Write a long story:", max_tokens=300, temperature=0, ignore_eos=True)
+    deltas = iter(long)
+    next(deltas)
+    short = tp2.generate("smol", prompt="2+2=", max_tokens=5, temperature=0)
+    assert short.completion_tokens == 5 and long.result is None  # the long one still runs
+    assert tp2.serving_stats("smol")["running_rows"] >= 1
+    tp2.cancel(long.request_id)
+    rest = "".join(deltas)
+    assert long.result.finish_reason == "cancelled" and 1 <= long.result.completion_tokens < 300, rest
+
+
+def test_a_cancelled_queued_request_never_runs(tp2):
+    # Hold the loop flag, as a loop being started would: the request waits in the queue.
+    flag = loop_key(tp2.group, "smol")
+    deadline = time.monotonic() + 10
+    while not tp2.redis.set(flag, "held-by-test", nx=True, ex=30):  # the previous loop may still be ending
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    request = tp2.submit("smol", {"request_id": "queued-cancel", "prompt": [1, 2, 3], "max_tokens": 50})
+    Leader(tp2.broker_url, tp2.group, tp2.world_size).cancel("queued-cancel")  # another leader: no queue removal
+    tp2.redis.delete(flag)  # as if that loop had died: the waiter starts one, which must not run the request
+    result = request.result(60)
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert tp2.serving_stats("smol")["requests"] == 0
+    # Cancelled by the leader that queued it: taken off the queue at once.
+    tp2.redis.set(flag, "held-by-test", ex=30)
+    mine = tp2.submit("smol", {"request_id": "queued-cancel-2", "prompt": [1, 2, 3], "max_tokens": 50})
+    tp2.cancel("queued-cancel-2")
+    assert mine.result(10).finish_reason == "cancelled" and tp2.redis.llen(f"celerytp:{tp2.group}:queue:smol") == 0
+    tp2.redis.delete(flag)
+
+
+def test_a_follow_up_chat_turn_reuses_the_cached_prefix(tp2):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    first = tp2.generate("smol", messages=chat, max_tokens=30, temperature=0)
+    follow_up = [*chat, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    reused = tp2.generate("smol", messages=follow_up, max_tokens=20, temperature=0)
+    assert reused.reused_tokens >= first.prompt_tokens + len(first.token_ids) // 2
+    assert reused.prompt_tokens - reused.reused_tokens < 20  # only the new turn was prefilled
+    tp2.clear_kv_cache("smol")  # no cached prefix left
+    fresh = tp2.generate("smol", messages=follow_up, max_tokens=20, temperature=0)
+    assert fresh.reused_tokens == 0
+    assert fresh.token_ids == reused.token_ids
+
+
+OTHER_PROCESS = """
+import sys, time
+from celerytp import Leader
+leader = Leader(sys.argv[1], sys.argv[2], 2)
+while not leader.redis.get("go"):
+    time.sleep(0.005)
+pending = [leader.submit("smol", {"request_id": f"proc-{i}", "prompt": [1, 2, 3 + i], "max_tokens": 24})
+           for i in range(3)]
+print(sum(len(p.result(120).token_ids) for p in pending))
+"""
+
+
+def test_leaders_in_two_processes_share_one_loop(tp2):
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_PROCESS, tp2.broker_url, tp2.group], stdout=subprocess.PIPE, text=True
+    )
+    time.sleep(3)  # its imports
+    tp2.redis.set("go", 1, ex=60)
+    mine = [tp2.submit("smol", {"request_id": f"main-{i}", "prompt": [4, 5, 6 + i], "max_tokens": 24}) for i in range(3)]
+    assert [len(p.result(120).token_ids) for p in mine] == [24] * 3
+    out, _ = other.communicate(timeout=120)
+    assert other.returncode == 0 and out.strip() == "72"
+    assert tp2.serving_stats("smol")["peak_rows"] >= 4  # rows of both processes in one step
+
+
+def test_no_request_is_stranded_around_the_idle_window(tp2):
+    """Submitters with random gaps around the loop's 0.3 s idle window: loops end and start
+    again while requests arrive, and every request still completes."""
+    rng = random.Random(7)
+    gaps = [[rng.uniform(0.0, 0.6) for _ in range(8)] for _ in range(4)]
+    results: dict[str, int] = {}
+
+    def submitter(n: int) -> None:
+        leader = Leader(tp2.broker_url, tp2.group, tp2.world_size)  # its own leader, as another process would be
+        for i, gap in enumerate(gaps[n]):
+            time.sleep(gap)
+            rid = f"s{n}-{i}"
+            results[rid] = len(leader.submit("smol", {"request_id": rid, "prompt": [7, n, i], "max_tokens": 2}).result(60).token_ids)
+
+    threads = [threading.Thread(target=submitter, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {f"s{n}-{i}": 2 for n in range(4) for i in range(8)}
+    assert json.loads(json.dumps(tp2.serving_stats("smol")))["queued"] == 0
