@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import redis
 
 from celerytp.client.leader import Leader
 from celerytp.core.errors import CeleryTPError
+from celerytp.core.liveness import HeartbeatTiming
+
+SUPERVISE_S = 0.5  # how often the supervisor looks at the rank workers
+STARTUP_GRACE_S = 15  # a new worker claims its rank within this (it does so before importing torch)
 
 
 def find_redis_server() -> str:
@@ -75,6 +80,8 @@ class LocalCluster:
         startup_timeout: seconds to wait for every rank to answer ping and form the group.
         form_group: send `init` once every rank answers (off: the caller inits).
         env: extra environment for the worker processes.
+        supervise: restart a rank worker that exits with a failure (any code but 0) or whose
+            heartbeat lapsed while its process lives (stuck), as systemd's Restart=on-failure does.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class LocalCluster:
         startup_timeout: float = 120.0,
         form_group: bool = True,
         env: dict[str, str] | None = None,
+        supervise: bool = True,
     ):
         self.world_size = world_size
         self.group = group
@@ -96,6 +104,10 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.form_group = form_group
         self.extra_env = env or {}
+        self.supervise = supervise
+        self.restarts = [0] * world_size  # replacements the supervisor started, per rank
+        self._workers_lock = threading.RLock()  # the supervisor and restart_worker replace workers
+        self._stopping = threading.Event()
         self.workdir = Path(tempfile.mkdtemp(prefix="celerytp-"))
         self.redis_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
@@ -123,9 +135,14 @@ class LocalCluster:
         self._wait_ready()
         if self.form_group:
             self.leader.init()
+        if self.supervise:
+            threading.Thread(target=self._supervise, name="celerytp-supervisor", daemon=True).start()
 
     def stop(self) -> None:
-        for proc in self.workers:
+        self._stopping.set()
+        with self._workers_lock:
+            workers = list(self.workers)
+        for proc in workers:
             _stop(proc, grace=10)
         if self.redis_proc is not None:
             _stop(self.redis_proc, grace=5)
@@ -139,8 +156,14 @@ class LocalCluster:
 
     # ---- parts ------------------------------------------------------------------------
 
-    def _start_redis(self) -> None:
-        port = _free_port()
+    def restart_redis(self) -> None:
+        """Stop the private Redis and start a fresh one on the same port (its data is gone, as
+        after a restart without persistence)."""
+        _stop(self.redis_proc, grace=5)
+        self._start_redis(int(self.broker_url.rsplit(":", 1)[1].split("/")[0]))
+
+    def _start_redis(self, port: int | None = None) -> None:
+        port = port or _free_port()
         args = [
             find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
@@ -178,19 +201,51 @@ class LocalCluster:
 
         The new worker has no process group: the caller re-inits the group.
         """
-        proc = self.workers[rank]
-        if kill:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        else:
-            _stop(proc, grace=10)
-        deadline = time.monotonic() + 30  # a killed worker's heartbeat lapses within its TTL
-        while self.leader.health()[rank] is not None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {rank}'s old worker still holds the rank")
-            time.sleep(0.1)
-        self.workers[rank] = self.spawn_worker(rank, model_roots)
+        with self._workers_lock:
+            proc = self.workers[rank]
+            if kill:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            else:
+                _stop(proc, grace=10)
+            deadline = time.monotonic() + 30  # a killed worker's heartbeat lapses within its TTL
+            while self.leader.health()[rank] is not None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {rank}'s old worker still holds the rank")
+                time.sleep(0.1)
+            self.workers[rank] = self.spawn_worker(rank, model_roots)
         self._wait_ready()
+
+    def _supervise(self) -> None:
+        """Replace rank workers that exited or are stuck (heartbeat gone while the process lives)."""
+        timing = HeartbeatTiming.from_env()
+        silent_limit = timing.ttl_s + timing.missing_grace_s
+        kill_after: dict[int, float] = {}
+        known: dict[int, subprocess.Popen] = {}
+        while not self._stopping.wait(SUPERVISE_S):
+            try:
+                owners = self.leader.health()
+            except redis.RedisError:
+                continue
+            now = time.monotonic()
+            with self._workers_lock:
+                if self._stopping.is_set():
+                    return
+                for rank, proc in enumerate(self.workers):
+                    if known.get(rank) is not proc:  # started here or by restart_worker
+                        known[rank], kill_after[rank] = proc, now + STARTUP_GRACE_S
+                    if proc.poll() is None and owners[rank] is not None:
+                        kill_after[rank] = now + silent_limit
+                        continue
+                    if proc.returncode == 0:
+                        continue  # told to stop (the shutdown op): not a failure to restart from
+                    if proc.poll() is None:
+                        if now < kill_after[rank]:
+                            continue
+                        os.killpg(proc.pid, signal.SIGKILL)  # stuck: its replacement starts clean
+                        proc.wait()
+                    self.restarts[rank] += 1
+                    self.workers[rank] = self.spawn_worker(rank)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout

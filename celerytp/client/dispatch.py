@@ -19,18 +19,22 @@ import redis
 from celery import Celery
 
 from celerytp.core.app import queue_name
-from celerytp.core.keys import dispatch_lock_key, seq_key
+from celerytp.core.keys import dispatch_lock_key, epoch_key, seq_key
 from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 
-# One round trip: take the group's dispatch lock, the next op sequence number, and set the
-# chord's size key (what the result backend's `set_chord_size` writes for a fresh group id).
+# One round trip: take the group's dispatch lock, the next op sequence number and its epoch
+# (created if Redis lost it), and set the chord's size key (what the result backend's
+# `set_chord_size` writes for a fresh group id).
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
-  return redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[4], ARGV[5], 'NX')
+  return {redis.call('INCR', KEYS[2]), redis.call('GET', KEYS[4])}
 end
 return 0
 """
+# A new epoch: ranks that see it start counting sequence numbers again (after a refusal).
+_NEW_EPOCH = "redis.call('SET', KEYS[2], ARGV[1]) redis.call('SET', KEYS[1], 0) return 1"
 
 LOCK_TTL_MS = 30_000  # a leader that dies while publishing frees the group after this
 
@@ -42,6 +46,7 @@ class DispatchLockTimeout(Exception):
 @dataclass(frozen=True)
 class PublishedChord:
     seq: int
+    epoch: str
     group_id: str
     body_id: str
     header_ids: list[str]
@@ -57,45 +62,54 @@ class ChordPublisher:
         self.body_task = body_task
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(RELEASE_IF_HOLDER)
+        self._new_epoch = client.register_script(_NEW_EPOCH)
         self._keys = [dispatch_lock_key(group), seq_key(group)]
+        self._epoch_key = epoch_key(group)
 
     def publish(
         self,
         task_name: str,
-        make_request: Callable[[int], dict[str, Any]],
+        make_request: Callable[[int, str], dict[str, Any]],
         expires: float,
         lock_wait: float,
         subscribe: bool = True,
     ) -> PublishedChord:
-        """Publish `task_name(make_request(seq))` to every rank queue, body = the gather task.
+        """Publish `task_name(make_request(seq, epoch))` to every rank queue, body = the gather task.
 
         `subscribe` False: nobody will wait for the combined reply (it expires in the backend).
         """
         token, group_id, body_id = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
         if subscribe:  # subscribe to the body's result first, so the reply cannot be missed
             self.app.backend.on_task_call(None, body_id)
-        seq = self._take_lock(token, group_id, lock_wait)
+        seq, epoch = self._take_lock(token, group_id, lock_wait)
         try:
-            return self._send(task_name, make_request(seq), seq, group_id, body_id, expires)
+            return self._send(task_name, make_request(seq, epoch), seq, epoch, group_id, body_id, expires)
         finally:
             self._release(keys=self._keys[:1], args=[token])
 
-    def _take_lock(self, token: str, group_id: str, wait: float) -> int:
+    def new_epoch(self) -> None:
+        """Start a new sequence epoch (a rank refused an op as out of order: resynchronise)."""
+        self._new_epoch(keys=[self._keys[1], self._epoch_key], args=[uuid.uuid4().hex])
+
+    def _take_lock(self, token: str, group_id: str, wait: float) -> tuple[int, str]:
         deadline = time.monotonic() + wait
         pause = 0.0005
         size_key = self.app.backend.get_key_for_group(group_id, ".s")
         expires = int(self.app.backend.chord_expires or 86400)
         while True:
-            seq = int(self._acquire(keys=[*self._keys, size_key], args=[token, LOCK_TTL_MS, self.world_size, expires]))
-            if seq:
-                return seq
+            taken = self._acquire(
+                keys=[*self._keys, size_key, self._epoch_key],
+                args=[token, LOCK_TTL_MS, self.world_size, expires, uuid.uuid4().hex],
+            )
+            if taken:
+                return int(taken[0]), taken[1].decode()
             if time.monotonic() > deadline:
                 raise DispatchLockTimeout(f"dispatch lock of group {self.group!r} still taken after {wait:.1f}s")
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
     def _send(
-        self, task_name: str, request: dict[str, Any], seq: int, group_id: str, body_id: str, expires: float
+        self, task_name: str, request: dict[str, Any], seq: int, epoch: str, group_id: str, body_id: str, expires: float
     ) -> PublishedChord:
         app, amqp = self.app, self.app.amqp
         body = app.signature(self.body_task, options={"task_id": body_id})
@@ -108,7 +122,7 @@ class ChordPublisher:
                     expires=expires, chord=body, root_id=task_id, ignore_result=True,
                 )
                 amqp.send_task_message(producer, task_name, message, queue=queue_name(self.group, rank), expiration=expires)
-        return PublishedChord(seq, group_id, body_id, header_ids)
+        return PublishedChord(seq, epoch, group_id, body_id, header_ids)
 
     def finished_parts(self, sent: PublishedChord) -> dict[int, tuple[str, Any]]:
         """Ranks whose part of an unfinished chord is done: rank -> (state, result).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -18,11 +19,23 @@ from celerytp.client.generation import MODES, GenerationResult, TokenStream, che
 from celerytp.client.progress import LoadProgress
 from celerytp.client.requests import LOOP_START_TTL_S, PendingRequest, RequestQueues
 from celerytp.core import protocol as p
-from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name
+from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name, queue_name
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
-from celerytp.core.keys import loop_key, loop_stats_key, models_key, owner_key, queue_key
+from celerytp.core.keys import heal_lock_key, loop_key, loop_stats_key, members_key, models_key, owner_key, queue_key
+from celerytp.core.liveness import HeartbeatTiming, RankWatch, read_owners
 from celerytp.core.model_files import default_model_path
+from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
+from celerytp.core.registry import model_record
 from celerytp.core.sampling import SamplingParams
+
+GROUP_FORMING_OPS = ("ping", "init", "shutdown")  # run on the workers as they are, healed or not
+LIVENESS_CHECK_S = 0.25
+HEAL_LOCK_TTL_S = 600  # a leader that dies while healing frees the lock after this  # how often a waiting op looks at the ranks' heartbeats
+
+
+class _RanksLost(Exception):
+    def __init__(self, lost: dict[int, str]):
+        self.lost = lost
 
 
 class Leader:
@@ -33,9 +46,18 @@ class Leader:
         group: group name (queues ``celerytp.<group>.rank.<r>``).
         world_size: number of ranks.
         timeout: default seconds to wait for an op's replies.
+        recovery_timeout: how long a request waits for lost ranks to come back (their supervisor
+            restarts them) before the group is re-formed and its models reloaded; 0: fail at once.
     """
 
-    def __init__(self, broker_url: str, group: str = DEFAULT_GROUP, world_size: int = 1, timeout: float = 60.0):
+    def __init__(
+        self,
+        broker_url: str,
+        group: str = DEFAULT_GROUP,
+        world_size: int = 1,
+        timeout: float = 60.0,
+        recovery_timeout: float = 120.0,
+    ):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"world_size must be an integer >= 1, got {world_size!r}")
         self.broker_url = broker_url
@@ -46,7 +68,9 @@ class Leader:
         self.redis = redis.Redis.from_url(broker_url)
         self._local_lock = threading.Lock()
         self._publisher = ChordPublisher(self.app, self.redis, group, world_size, GATHER_TASK)
-        self._queues = RequestQueues(self.redis, group, self._start_loop)
+        self.recovery_timeout = recovery_timeout
+        self._timing = HeartbeatTiming.from_env()
+        self._queues = RequestQueues(self.redis, group, self._start_loop, self._rank_watch)
         self.generate_timeout = 3600.0
 
     # ---- foundation ops ---------------------------------------------------------------
@@ -57,7 +81,10 @@ class Leader:
     def init(self, comm_id: str | None = None, timeout_s: float = 60.0) -> list[p.InitOk]:
         """Form a new process group epoch (a fresh comm_id unless one is given)."""
         comm_id = comm_id or uuid.uuid4().hex
-        return self.call("init", {"comm_id": comm_id, "timeout_s": timeout_s}, timeout=timeout_s + 30)
+        replies = self.call("init", {"comm_id": comm_id, "timeout_s": timeout_s}, timeout=timeout_s + 30)
+        owners = read_owners(self.redis, self.group, self.world_size)
+        self.redis.set(members_key(self.group), json.dumps([o.decode() if o else None for o in owners]))
+        return replies
 
     def sanity_check(self) -> list[p.SanityResult]:
         return self.call("sanity_check")
@@ -95,21 +122,23 @@ class Leader:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'max_queue': an integer >= 1 is required, got {max_queue!r}")
         path = os.path.abspath(path if path is not None else default_model_path())
         fields = {
-            "model_id": model_id, "path": path, "dtype": dtype, "max_context": max_context,
-            "max_batch": max_batch, "quant": quant, "kv_cache_bytes": kv_cache_bytes,
-            "prefill_budget": prefill_budget, "idle_s": idle_s,
+            "path": path, "dtype": dtype, "max_context": max_context, "max_batch": max_batch, "quant": quant,
+            "kv_cache_bytes": kv_cache_bytes, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
         }
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
-            replies = self.call("load", fields, timeout=timeout, on_wait=bar.update)
+            replies = self.call("load", {"model_id": model_id, **fields}, timeout=timeout, on_wait=bar.update)
         first = replies[0]
-        record = {"path": path, "dtype": first.dtype, "model_type": first.model_type, "vocab_size": first.vocab_size,
-                  "max_context": first.max_context, "max_batch": first.max_batch, "max_queue": max_queue}
+        record = model_record(
+            fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,
+            max_context=first.max_context, max_batch=first.max_batch,
+        )
         self.redis.hset(models_key(self.group), model_id, json.dumps(record))
         return replies
 
     def models(self) -> dict[str, dict]:
-        """Models loaded on this group (by any leader): model_id -> {path, dtype, ...}."""
-        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(models_key(self.group)).items()}
+        """Models loaded on every rank, as the ranks report them: model_id -> {path, dtype, ...}."""
+        pongs = self.ping()
+        return {model_id: record for model_id, record in pongs[0].models.items() if all(model_id in p.models for p in pongs)}
 
     def step(
         self,
@@ -199,20 +228,93 @@ class Leader:
         """Publish a `serve` chord: every rank runs the model's serving loop (nobody waits on it)."""
         fields = {"op": "serve", "model_id": model_id, "loop_id": loop_id}
         self._publisher.publish(
-            op_task_name("serve"), lambda seq: {**fields, "seq": seq}, expires=LOOP_START_TTL_S,
+            op_task_name("serve"), lambda seq, epoch: {**fields, "seq": seq, "epoch": epoch}, expires=LOOP_START_TTL_S,
             lock_wait=self.timeout, subscribe=False,
         )
 
     def _record(self, model_id: str) -> dict[str, Any]:
+        """The model's record, from Redis; after a Redis restart, from the ranks (and kept again)."""
+        self._ensure_group()
+        raw = self.redis.hget(models_key(self.group), model_id)
+        if raw is not None:
+            return json.loads(raw)
         record = self.models().get(model_id)
         if record is None:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
+        self.redis.hset(models_key(self.group), model_id, json.dumps(record))
         return record
 
     def health(self) -> list[dict | None]:
         """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""
         values = self.redis.mget([owner_key(self.group, r) for r in range(self.world_size)])
         return [json.loads(v) if v else None for v in values]
+
+    # ---- healing ----------------------------------------------------------------------
+
+    def _group_changed(self) -> bool:
+        """True when the ranks' workers are not the ones that formed the group (a rank was lost)."""
+        raw = self.redis.get(members_key(self.group))
+        if raw is None:
+            return False  # no record (Redis restarted): the workers' own group stands
+        members = [m.encode() if m else None for m in json.loads(raw)]
+        return read_owners(self.redis, self.group, self.world_size) != members
+
+    def _ensure_group(self) -> None:
+        if self._group_changed():
+            self.heal()
+
+    def heal(self, timeout: float | None = None) -> None:
+        """Re-form the group once every rank has a live worker, and load again every model it had.
+
+        Waits up to `timeout` (default: recovery_timeout) for the supervisors to restart lost
+        ranks. The models and their load settings come from the Redis registry and from what
+        the surviving ranks report. Ops queued for the broken group are dropped. One leader
+        heals at a time; the others wait for it.
+        """
+        deadline = time.monotonic() + (self.recovery_timeout if timeout is None else timeout)
+        if not any(read_owners(self.redis, self.group, self.world_size)):  # nothing to wait for
+            self._live_owners("heal")
+        token, lock = uuid.uuid4().hex, heal_lock_key(self.group)
+        while not self.redis.set(lock, token, nx=True, ex=HEAL_LOCK_TTL_S):
+            if time.monotonic() > deadline:
+                raise CeleryTPError(ErrorKind.TIMEOUT, "another leader is still healing the group", op="heal")
+            time.sleep(0.2)
+        try:
+            while self._group_changed():
+                try:
+                    self._heal_once(deadline)
+                except CeleryTPError as exc:
+                    if not exc.kinds & {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.INIT_FAILED}:
+                        raise
+                    if time.monotonic() > deadline:
+                        raise CeleryTPError.from_failures("heal", exc.failures) from None
+                    time.sleep(0.5)  # a rank was lost again while healing: wait for it
+        finally:
+            self.redis.eval(RELEASE_IF_HOLDER, 1, lock, token)
+
+    def _heal_once(self, deadline: float) -> None:
+        while missing := [r for r, o in enumerate(read_owners(self.redis, self.group, self.world_size)) if o is None]:
+            if time.monotonic() > deadline:
+                raise CeleryTPError.from_failures(
+                    "heal", [RankFailure(r, ErrorKind.RANK_LOST, "no live worker came back for this rank") for r in missing]
+                )
+            time.sleep(0.2)
+        pongs = self._call("ping", None, self.timeout)
+        records = {model_id: record for pong in reversed(pongs) for model_id, record in pong.models.items()}
+        records.update((k.decode(), json.loads(v)) for k, v in self.redis.hgetall(models_key(self.group)).items())
+        with self.app.connection_for_write() as conn:  # ops published to the broken group
+            for rank in range(self.world_size):
+                conn.default_channel.queue_purge(queue_name(self.group, rank))
+        self.init()
+        for model_id, record in records.items():
+            self.redis.delete(loop_key(self.group, model_id))
+            if any(model_id in pong.models for pong in pongs):
+                try:
+                    self._call("unload", {"model_id": model_id}, self.timeout)
+                except CeleryTPError as exc:
+                    if exc.kinds != {ErrorKind.MODEL_NOT_LOADED}:
+                        raise
+            self.load(model_id, **record["load"])
 
     # ---- dispatch ---------------------------------------------------------------------
 
@@ -225,38 +327,92 @@ class Leader:
     ) -> list[Any]:
         """Send `op` to every rank as one chord; return the typed replies in rank order.
 
-        `on_wait` is called every few milliseconds while waiting (progress display).
+        Fails with rank_lost at once when a rank has no live worker, or as soon as one dies
+        while the op runs. Ops on a group whose workers changed since it formed wait for the
+        group to heal first (`heal`). `on_wait` is called every few milliseconds while waiting.
         """
         if op not in p.REQUESTS:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"unknown op {op!r}; known: {sorted(p.REQUESTS)}", op=op)
-        timeout = self.timeout if timeout is None else timeout
-        with self._local_lock:
-            try:
-                sent = self._publisher.publish(
-                    op_task_name(op), lambda seq: {"op": op, "seq": seq, **(fields or {})}, expires=timeout, lock_wait=timeout
-                )
-            except DispatchLockTimeout as exc:
-                raise CeleryTPError(ErrorKind.TIMEOUT, str(exc), op=op) from None
-            combined = self._wait(op, sent, timeout, on_wait)
-        failures = [
-            RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
-            for r in combined["replies"]
-            if r.get("type") == "error"
-        ]
-        if failures:
-            raise CeleryTPError.from_failures(op, failures)
-        return [p.parse_reply(r) for r in combined["replies"]]
+        if op not in GROUP_FORMING_OPS:
+            self._ensure_group()
+        return self._call(op, fields, self.timeout if timeout is None else timeout, on_wait)
 
-    def _wait(self, op: str, sent: PublishedChord, timeout: float, on_wait: Callable[[], None] | None) -> dict:
+    def _call(
+        self, op: str, fields: dict[str, Any] | None, timeout: float, on_wait: Callable[[], None] | None = None
+    ) -> list[Any]:
+        for attempt in range(2):
+            owners = self._live_owners(op)
+            with self._local_lock:
+                try:
+                    sent = self._publisher.publish(
+                        op_task_name(op), lambda seq, epoch: {"op": op, "seq": seq, "epoch": epoch, **(fields or {})},
+                        expires=timeout, lock_wait=timeout,
+                    )
+                except DispatchLockTimeout as exc:
+                    raise CeleryTPError(ErrorKind.TIMEOUT, str(exc), op=op) from None
+                combined = self._wait(op, sent, timeout, on_wait, owners)
+            failures = [
+                RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
+                for r in combined["replies"]
+                if r.get("type") == "error"
+            ]
+            if failures and attempt == 0 and {f.kind for f in failures} == {ErrorKind.OUT_OF_ORDER}:
+                self._publisher.new_epoch()  # a rank counts from a number we never sent: start again
+                continue
+            if failures:
+                raise CeleryTPError.from_failures(op, failures)
+            return [p.parse_reply(r) for r in combined["replies"]]
+        raise AssertionError("unreachable")
+
+    def _live_owners(self, op: str) -> list[bytes | None]:
+        """Every rank's worker identity; rank_lost naming the ranks that have none.
+
+        A key missing for less than the heartbeat grace is waited for (a Redis restart)."""
+        deadline = time.monotonic() + self._timing.missing_grace_s
+        while True:
+            owners = read_owners(self.redis, self.group, self.world_size)
+            missing = [r for r, o in enumerate(owners) if o is None]
+            if not missing:
+                return owners
+            if time.monotonic() > deadline:
+                raise CeleryTPError.from_failures(
+                    op, [RankFailure(r, ErrorKind.RANK_LOST, "no live worker holds this rank") for r in missing]
+                )
+            time.sleep(0.05)
+
+    def _rank_watch(self) -> RankWatch:
+        """A watch over the ranks' workers as they are now (generation requests use it while they wait)."""
+        return RankWatch(self.redis, self.group, read_owners(self.redis, self.group, self.world_size), self._timing)
+
+    def _wait(
+        self, op: str, sent: PublishedChord, timeout: float, on_wait: Callable[[], None] | None, owners: list
+    ) -> dict:
+        watch = RankWatch(self.redis, self.group, owners, self._timing)
+        checked = [time.monotonic()]
+
+        def on_interval() -> None:
+            if on_wait is not None:
+                on_wait()
+            if time.monotonic() - checked[0] >= LIVENESS_CHECK_S:
+                checked[0] = time.monotonic()
+                lost = watch.lost()
+                if lost:
+                    finished = self._publisher.finished_parts(sent)
+                    lost = {r: why for r, why in lost.items() if r not in finished}
+                if lost:
+                    raise _RanksLost(lost)
+
         try:
-            return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_wait)
+            return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_interval)
+        except _RanksLost as exc:
+            failures = [RankFailure(r, ErrorKind.RANK_LOST, why) for r, why in sorted(exc.lost.items())]
+            raise CeleryTPError.from_failures(op, failures) from None
         except CeleryTimeout:
             raise CeleryTPError.from_failures(op, self._unfinished_ranks(sent, timeout)) from None
         except Exception as exc:  # a header task raised or its worker died
             raise CeleryTPError.from_failures(op, self._failed_ranks(sent, exc)) from None
         finally:
             self.redis.delete(self.app.backend.get_key_for_task(sent.body_id))
-
     def _unfinished_ranks(self, sent: PublishedChord, timeout: float) -> list[RankFailure]:
         """Name the ranks that did not answer (and whether their worker lives) and those that failed."""
         finished = self._publisher.finished_parts(sent)

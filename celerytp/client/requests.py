@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import redis
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.keys import cancel_key, loop_key, queue_key, stream_key
+from celerytp.core.liveness import RankWatch
 from celerytp.core.protocol import RowResult
 from celerytp.core.redis_scripts import RESTART_IF_STRANDED, SUBMIT
 
@@ -26,6 +27,7 @@ STRANDED_CHECK_S = 0.5  # how often a waiter with no news checks that a loop wil
 CANCEL_TTL_S = 600
 
 StartLoop = Callable[[str, str], None]  # (model_id, loop_id): publish a serve chord
+WatchRanks = Callable[[], RankWatch]  # a watch over the ranks' workers as they are now
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,15 @@ class RequestQueues:
         client: Redis of the group.
         group: the group name.
         start_loop: publishes a `serve` chord for (model_id, loop_id).
+        watch_ranks: a watch over the ranks' workers; a waiting request fails with rank_lost
+            when one of them dies.
     """
 
-    def __init__(self, client: redis.Redis, group: str, start_loop: StartLoop):
+    def __init__(self, client: redis.Redis, group: str, start_loop: StartLoop, watch_ranks: WatchRanks):
         self._redis = client
         self._group = group
         self._start_loop = start_loop
+        self._watch_ranks = watch_ranks
         self._submit = client.register_script(SUBMIT)
         self._restart = client.register_script(RESTART_IF_STRANDED)
         self._followed: dict[str, tuple[str, str]] = {}  # request id -> (model id, queued JSON)
@@ -59,6 +64,7 @@ class RequestQueues:
         """Queue `spec` (a GenSpec) for `model_id`; CeleryTPError(overloaded) when the queue is full."""
         spec = {**spec, "submitted_at": time.time()}
         item = json.dumps(spec)
+        watch = self._watch_ranks()
         keys = [queue_key(self._group, model_id), loop_key(self._group, model_id)]
         loop_id = uuid.uuid4().hex
         outcome = int(self._submit(keys=keys, args=[item, max_queue, loop_id, LOOP_START_TTL_S]))
@@ -69,7 +75,7 @@ class RequestQueues:
         if outcome == 1:
             self._start_loop(model_id, loop_id)
         self._followed[spec["request_id"]] = (model_id, item)
-        return PendingRequest(self, model_id, spec["request_id"], item)
+        return PendingRequest(self, model_id, spec["request_id"], item, watch)
 
     def ensure_loop(self, model_id: str, item: str) -> None:
         """Start a loop for a request still queued with no loop to take it."""
@@ -96,20 +102,26 @@ class RequestQueues:
             self._redis.xadd(key, {"done": result.model_dump_json()})
             self._redis.expire(key, CANCEL_TTL_S)
 
-    def events(self, model_id: str, request_id: str, item: str, deadline: float) -> Iterator[Token | Done]:
-        """The request's tokens (if streamed) then its result; raises its error or a timeout."""
+    def events(
+        self, model_id: str, request_id: str, item: str, deadline: float, watch: RankWatch
+    ) -> Iterator[Token | Done]:
+        """The request's tokens (if streamed) then its result; raises its error, a timeout, or
+        rank_lost (and leaves the queue) when a rank's worker dies while it waits."""
         key = stream_key(self._group, request_id)
         last, checked = "0-0", time.monotonic()
         try:
             while True:
                 now = time.monotonic()
                 if now > deadline:
+                    self._redis.lrem(queue_key(self._group, model_id), 1, item)
                     raise CeleryTPError(ErrorKind.TIMEOUT, f"request {request_id}: no result within the deadline")
                 reply = self._redis.xread({key: last}, count=256, block=int(min(0.25, deadline - now) * 1000) + 1)
                 if not reply:
-                    if now - checked > STRANDED_CHECK_S and last == "0-0":
-                        self.ensure_loop(model_id, item)
+                    if now - checked > STRANDED_CHECK_S:
                         checked = now
+                        self._check_ranks(model_id, item, watch)
+                        if last == "0-0":
+                            self.ensure_loop(model_id, item)
                     continue
                 for entry_id, fields in reply[0][1]:
                     last = entry_id
@@ -120,10 +132,19 @@ class RequestQueues:
                         return
                     elif b"error" in fields:
                         error = json.loads(fields[b"error"])
+                        if error["kind"] in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
+                            self._check_ranks(model_id, item, watch, wait=True)  # name the rank behind it
                         raise CeleryTPError(error["kind"], error["message"], op="generate")
         finally:
             self._followed.pop(request_id, None)
             self._redis.delete(key)
+
+    def _check_ranks(self, model_id: str, item: str, watch: RankWatch, wait: bool = False) -> None:
+        lost = watch.lost_soon() if wait else watch.lost()
+        if lost:
+            self._redis.lrem(queue_key(self._group, model_id), 1, item)  # no loop of this group will answer it
+            failures = [RankFailure(rank, ErrorKind.RANK_LOST, why) for rank, why in sorted(lost.items())]
+            raise CeleryTPError.from_failures("generate", failures)
 
 
 @dataclass
@@ -134,9 +155,10 @@ class PendingRequest:
     model_id: str
     request_id: str
     item: str  # the queued JSON (identifies it in the queue)
+    watch: RankWatch  # the ranks' workers when it was queued
 
     def events(self, timeout: float) -> Iterator[Token | Done]:
-        return self.queues.events(self.model_id, self.request_id, self.item, time.monotonic() + timeout)
+        return self.queues.events(self.model_id, self.request_id, self.item, time.monotonic() + timeout, self.watch)
 
     def result(self, timeout: float) -> RowResult:
         for event in self.events(timeout):

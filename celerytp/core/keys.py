@@ -9,6 +9,21 @@ def seq_key(group: str) -> str:
     return f"celerytp:{group}:seq"
 
 
+def epoch_key(group: str) -> str:
+    """The sequence numbers' epoch: a new one when Redis lost the counter or a rank refused an op."""
+    return f"celerytp:{group}:epoch"
+
+
+def members_key(group: str) -> str:
+    """JSON list: each rank's heartbeat value when the group last formed (who the group is)."""
+    return f"celerytp:{group}:members"
+
+
+def heal_lock_key(group: str) -> str:
+    """Held by the one leader that re-forms the group and reloads its models."""
+    return f"celerytp:{group}:heal"
+
+
 def dispatch_lock_key(group: str) -> str:
     return f"celerytp:{group}:dispatch"
 

@@ -29,9 +29,16 @@ ModelId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0
 # ---- requests -------------------------------------------------------------------------
 
 
+Epoch = Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_-]*$")]
+
+
 class Request(Message):
+    """`seq` orders ops within an `epoch` (the group's sequence counter's life); a rank that sees a
+    new epoch starts counting again, so a lost counter or one bogus number never blocks a rank."""
+
     op: str
     seq: Seq
+    epoch: Epoch = ""
 
 
 class PingRequest(Request):
@@ -67,6 +74,7 @@ class LoadRequest(Request):
     kv_cache_bytes: Annotated[int, Field(ge=1)] | None = None  # KV cache budget per rank; None: the default
     prefill_budget: Annotated[int, Field(ge=1, le=1 << 16)] = 256  # prompt tokens per serving step
     idle_s: Annotated[float, Field(ge=0.01, le=600)] = 1.0  # a serving loop with no work ends after this
+    max_queue: Annotated[int, Field(ge=1, le=1 << 20)] = 256  # leaders refuse requests past this many queued
 
 
 class StepRequest(Request):
@@ -132,6 +140,7 @@ class Pong(Reply):
     device: str
     comm_id: str | None = None
     rss_bytes: int = 0
+    models: dict[str, dict[str, Any]] = {}  # model_id -> the load request that loaded it here
 
 
 class InitOk(Reply):

@@ -18,7 +18,7 @@ def ping(state: RankState, request: p.PingRequest) -> p.Pong:
     device = str(state.device) if state.device is not None else f"unavailable:{state.config.device}"
     return p.Pong(
         rank=state.rank, world_size=state.world_size, device=device, comm_id=state.comm_id,
-        rss_bytes=rss_bytes(),
+        rss_bytes=rss_bytes(), models={model_id: entry.record for model_id, entry in state.models.items()},
     )
 
 

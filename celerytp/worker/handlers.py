@@ -39,7 +39,8 @@ def handle(state: RankState, op: str, data: Any) -> dict:
     request, handler = None, HANDLERS[op]
     try:
         request = p.parse_request(data, expected_op=op)
-        state.check_order(request.seq, handler.collective)
+        state.in_collective_op = handler.collective
+        state.check_order(request, handler.collective)
         reply = handler.run(state, request)
     except CeleryTPError as exc:
         if handler.on_error is not None and request is not None:
@@ -51,4 +52,6 @@ def handle(state: RankState, op: str, data: Any) -> dict:
         if handler.on_error is not None and request is not None:
             handler.on_error(state, request, error)
         return p.error_reply(state.rank, error.kind, error.message)
+    finally:
+        state.in_collective_op = False
     return reply.model_dump(mode="json")

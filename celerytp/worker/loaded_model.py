@@ -18,6 +18,7 @@ class LoadedModel:
 
     model: CausalLM
     path: str
+    record: dict = field(default_factory=dict)  # core.registry.model_record: reported by ping
     prefill_budget: int = 256  # prompt tokens per serving step
     idle_s: float = 1.0  # a serving loop with no work ends after this
     history: list[int] = field(default_factory=list)  # step mode's tokens in its row (repetition penalty)

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import redis
+from celery.signals import worker_shutting_down
 
 from celerytp.core.app import make_app, queue_name
+from celerytp.worker import exits
 from celerytp.worker.config import RankConfig
 from celerytp.worker.lease import RankLease, RankTaken
 
 log = logging.getLogger(__name__)
+
+
+def _claim(lease: RankLease) -> None:
+    """Claim the rank, waiting out the claim of a worker that just died (its heartbeat's TTL)."""
+    deadline = time.monotonic() + 2 * lease.timing.ttl_s
+    while True:
+        try:
+            return lease.acquire()
+        except RankTaken:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(lease.timing.refresh_s / 2)
 
 
 def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
@@ -20,19 +35,26 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     client = redis.Redis.from_url(config.broker_url)
     lease = RankLease(client, config.group, config.rank, config.device)
     try:
-        lease.acquire()
+        _claim(lease)
     except RankTaken as exc:
         print(f"celerytp worker: refusing to start: {exc}", file=sys.stderr)
-        return 2
+        return exits.REFUSED
     except redis.RedisError as exc:
         print(f"celerytp worker: cannot reach Redis at {config.broker_url}: {exc}", file=sys.stderr)
-        return 2
+        return exits.REFUSED
     # Imports torch and the models: only rank workers pay for them.
     from celerytp.worker.state import RankState
     from celerytp.worker.tasks import register_tasks
+    from celerytp.worker.watchdog import PeerWatchdog
 
     app = make_app(config.broker_url, config.group, config.world_size)
-    register_tasks(app, RankState(config))
+    state = RankState(config)
+    register_tasks(app, state)
+
+    @worker_shutting_down.connect(weak=False)
+    def _told_to_stop(sig: str, **_) -> None:  # SIGTERM/SIGINT from a supervisor, or the shutdown op
+        state.stop_requested = True
+    PeerWatchdog(state, lease.timing, on_exit=lease.release).start()
     argv = [
         "worker",
         "--queues", queue_name(config.group, config.rank),
@@ -46,7 +68,12 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     try:
         app.worker_main(argv)
     except SystemExit as exc:
-        return int(exc.code or 0)
+        code = exc.code if isinstance(exc.code, int) else exits.UNEXPECTED
+    else:
+        code = exits.SHUTDOWN
     finally:
         lease.release()
-    return 0
+    if code == exits.SHUTDOWN and not state.stop_requested:
+        log.error("the Celery worker stopped without being told to")
+        code = exits.UNEXPECTED
+    return code

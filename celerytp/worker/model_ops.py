@@ -14,6 +14,7 @@ from celerytp.core import protocol as p
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import load_progress_key
 from celerytp.core.model_files import default_model_path
+from celerytp.core.registry import LOAD_FIELDS, model_record
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.models import load_model
@@ -97,10 +98,14 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         del model
         release_memory()
         raise failure
-    state.models[request.model_id] = LoadedModel(model, str(path), request.prefill_budget, request.idle_s)
+    config = model.config
+    record = model_record(
+        request.model_dump(include=set(LOAD_FIELDS)), dtype=dtype_name, model_type=config.model_type,
+        vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,
+    )
+    state.models[request.model_id] = LoadedModel(model, str(path), record, request.prefill_budget, request.idle_s)
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS
     memory = model.memory_report()
-    config = model.config
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,

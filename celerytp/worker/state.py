@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import rendezvous_prefix
+from celerytp.core.liveness import read_owners
 from celerytp.distributed.store import RedisStore
 from celerytp.distributed.tp import TPContext
 from celerytp.worker.config import RankConfig
@@ -56,7 +57,11 @@ class RankState:
         self.redis = redis.Redis.from_url(config.broker_url)
         self.comm_id: str | None = None
         self.group_broken: str | None = None
+        self.epoch = ""
         self.last_seq = 0
+        self.members: list[bytes | None] = []  # each rank's heartbeat value when the group formed
+        self.in_collective_op = False  # the watchdog's cue (worker/watchdog.py)
+        self.stop_requested = False  # set on SIGTERM/SIGINT: the worker's stop is not a failure
         self.tp = TPContext(config.rank, config.world_size)
         self.models: dict[str, LoadedModel] = {}
         try:
@@ -69,23 +74,47 @@ class RankState:
 
     # ---- ordering ---------------------------------------------------------------------
 
-    def check_order(self, seq: int, collective: bool) -> None:
-        if seq <= self.last_seq:
-            raise CeleryTPError(ErrorKind.OUT_OF_ORDER, f"op seq {seq} arrived after seq {self.last_seq} (stale or repeated)")
-        self.last_seq = seq
+    def check_order(self, request: Any, collective: bool) -> None:
+        """Refuse a stale or repeated op; for a collective op, first agree with every rank on it.
+
+        A new epoch (the leaders' counter was lost, or reset after a refusal) starts the count again.
+        """
+        if request.epoch != self.epoch:
+            log.info("op epoch %r replaces %r: sequence numbers start again", request.epoch, self.epoch)
+            self.epoch, self.last_seq = request.epoch, 0
+        if request.seq <= self.last_seq:
+            raise CeleryTPError(
+                ErrorKind.OUT_OF_ORDER, f"op seq {request.seq} arrived after seq {self.last_seq} (stale or repeated)"
+            )
+        self.last_seq = request.seq
         if collective:
             self.require_group()
-            self.agree_on_seq(seq)
+            self.agree_on_op(request.seq, getattr(request, "model_id", None))
 
-    def agree_on_seq(self, seq: int) -> None:
-        """Every rank's k-th collective op must be the same op; check before doing its work."""
-        bounds = torch.tensor([seq, -seq], dtype=torch.int64, device=self.device)
-        self.collective(lambda: dist.all_reduce(bounds, op=dist.ReduceOp.MAX))
-        highest, lowest = int(bounds[0]), -int(bounds[1])
-        if highest != seq or lowest != seq:
+    def agree_on_op(self, seq: int, model_id: str | None) -> None:
+        """Every rank's k-th collective op must be the same op on the same models; check before its work.
+
+        One all-reduce of (seq, holds model_id) per rank, so that ranks that disagree (a restarted
+        rank that lost its models) all refuse the op instead of one of them waiting alone.
+        """
+        n = self.world_size
+        mine = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+        mine[self.rank] = seq
+        mine[n + self.rank] = int(model_id in self.models) if model_id is not None else 0
+        self.collective(lambda: dist.all_reduce(mine))
+        seqs, holds = mine[:n].tolist(), mine[n:].tolist()
+        if len(set(seqs)) != 1:
             raise CeleryTPError(
                 ErrorKind.OUT_OF_ORDER,
-                f"ranks disagree on the op: this rank runs seq {seq}, the group spans seq {lowest}..{highest}",
+                f"ranks disagree on the op: this rank runs seq {seq}, the group's ranks run {seqs}",
+            )
+        if model_id is not None and len(set(holds)) != 1:
+            having = [r for r, h in enumerate(holds) if h]
+            missing = [r for r, h in enumerate(holds) if not h]
+            raise CeleryTPError(
+                ErrorKind.MODEL_NOT_LOADED,
+                f"ranks disagree about model {model_id!r}: loaded on ranks {having}, not on {missing} "
+                "(a rank restarted; unload and load it again, or let the leader heal the group)",
             )
 
     # ---- process group ----------------------------------------------------------------
@@ -134,6 +163,7 @@ class RankState:
             raise CeleryTPError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
         self.comm_id = comm_id
         self.group_broken = None
+        self.members = read_owners(self.redis, self.config.group, self.world_size)
         return backend
 
     def destroy_group(self) -> None:
@@ -143,3 +173,4 @@ class RankState:
             except Exception as exc:
                 log.warning("destroying the old process group: %s", exc)
         self.comm_id = None
+        self.members = []
