@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import base64
+import json
 import subprocess
 import sys
 import textwrap
@@ -130,6 +132,45 @@ def test_pickled_and_unknown_messages_are_refused(cluster2):
     assert all(p.poll() is None for p in cluster2.workers)
     assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
     assert "pickle" in cluster2.log(0).lower()
+
+
+def _envelope(queue: str, **change) -> dict:
+    """A well-formed Celery task message as it lies in a Redis queue (a ping with no reply)."""
+    body = [[{"op": "ping", "seq": 1, "epoch": "never-used"}], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
+    envelope = {
+        "body": base64.b64encode(json.dumps(body).encode()).decode(), "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {"lang": "py", "task": op_task_name("ping"), "id": "poison", "root_id": "poison", "parent_id": None},
+        "properties": {"delivery_tag": "tag", "body_encoding": "base64", "priority": 0,
+                       "delivery_info": {"exchange": "", "routing_key": queue}},
+    }
+    for key, value in change.items():
+        envelope[key] = value
+    return envelope
+
+
+def test_malformed_messages_are_dead_lettered_and_the_workers_live(cluster2):
+    queue = queue_name(cluster2.group, 1)
+    good = _envelope(queue)
+    poison = [
+        b"\x00\xff\xfe garbage", b"not json at all", b"[1, 2, 3]", json.dumps(good)[:-20].encode(),  # truncated
+        json.dumps(_envelope(queue, body={"op": "ping"})).encode(),  # a JSON object body
+        json.dumps(_envelope(queue, body="%%% not base64 %%%")).encode(),
+        json.dumps(_envelope(queue, headers={"task": op_task_name("ping")})).encode(),  # no id header
+        json.dumps(_envelope(queue, **{"content-type": "application/x-python-serialize"})).encode(),
+        json.dumps(_envelope(queue, body=base64.b64encode(b'{"op": "ping"}').decode())).encode(),  # not a task body
+    ]
+    client = cluster2.leader.redis
+    client.delete(f"{queue}.deadletter")
+    client.lpush(queue, *poison)
+    deadline = time.monotonic() + 10
+    while client.llen(f"{queue}.deadletter") < len(poison):
+        assert time.monotonic() < deadline, client.lrange(f"{queue}.deadletter", 0, -1)
+        time.sleep(0.1)
+    assert all(p.poll() is None for p in cluster2.workers)
+    assert [s.observed_sum for s in cluster2.leader.sanity_check()] == [2, 2]
+    assert "dropping a malformed message" in cluster2.log(1)
+    assert len(cluster2.leader.dead_letters()[1]) == len(poison)
 
 
 def test_stale_sequence_is_out_of_order(cluster2):

@@ -180,3 +180,64 @@ def test_unload_frees_memory(tmp_path):
         with pytest.raises(CeleryTPError) as info:
             leader.unload("m")
         assert info.value.kinds == {ErrorKind.MODEL_NOT_LOADED}
+
+
+def _copy_model(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    return dst
+
+
+def test_path_escapes_and_malformed_checkpoints_load_nowhere(cluster, tiny_llama, tmp_path, default_gguf_bytes):
+    """Every file a load opens must lie in the model roots; a damaged checkpoint is load_failed."""
+    _, path = tiny_llama
+    leader, root = cluster.leader, path.parent
+    outside = tmp_path / "outside"
+    _copy_model(path, outside)
+    shard = sorted(path.glob("model-*.safetensors"))[0].name
+
+    linked = _copy_model(path, root / "linked")  # one shard is a symlink to a file outside the roots
+    (linked / shard).unlink()
+    (linked / shard).symlink_to(outside / shard)
+    escaping = _copy_model(path, root / "escaping")  # the index names a shard by a path out of the directory
+    index = json.loads((escaping / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"../../{outside.name}/{v}" for k, v in index["weight_map"].items()}
+    (escaping / "model.safetensors.index.json").write_text(json.dumps(index))
+    truncated = _copy_model(path, root / "truncated")
+    data = (truncated / shard).read_bytes()
+    (truncated / shard).write_bytes(data[: len(data) // 2])
+    bad_config = _copy_model(path, root / "bad-config")
+    (bad_config / "config.json").write_text("{not json")
+    missing = _copy_model(path, root / "missing-tensor")
+    index = json.loads((missing / "model.safetensors.index.json").read_text())
+    index["weight_map"].pop("model.norm.weight")
+    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
+    header = root / "bad-header.gguf"
+    header.write_bytes(b"GGUF" + b"\xff" * 200)
+    cut = root / "cut.gguf"
+    cut.write_bytes(default_gguf_bytes[: len(default_gguf_bytes) // 3])
+    cases = [
+        (linked, ErrorKind.BAD_REQUEST, "links outside the model roots"),
+        (escaping, ErrorKind.BAD_REQUEST, "not a file name in the model directory"),
+        (truncated, ErrorKind.LOAD_FAILED, shard),
+        (bad_config, ErrorKind.LOAD_FAILED, "config.json"),
+        (missing, ErrorKind.LOAD_FAILED, "model.norm.weight"),
+        (header, ErrorKind.LOAD_FAILED, "not a readable GGUF file"),
+        (cut, ErrorKind.LOAD_FAILED, "cut.gguf"),
+    ]
+    for bad_path, kind, needle in cases:
+        with pytest.raises(CeleryTPError) as info:
+            leader.load("bad", bad_path)
+        assert info.value.kinds == {kind}, (bad_path, info.value)
+        assert needle in str(info.value), (bad_path, info.value)
+        assert "bad" not in leader.models()
+    assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
+
+
+@pytest.fixture(scope="module")
+def default_gguf_bytes():
+    from celerytp.core.model_files import default_model_path
+
+    with open(default_model_path(), "rb") as f:
+        return f.read(8 << 20)

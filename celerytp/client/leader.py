@@ -26,6 +26,7 @@ from celerytp.core.liveness import HeartbeatTiming, RankWatch, read_owners
 from celerytp.core.model_files import default_model_path
 from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 from celerytp.core.registry import model_record
+from celerytp.core.safe_transport import dead_letter_key
 from celerytp.core.sampling import SamplingParams
 
 GROUP_FORMING_OPS = ("ping", "init", "shutdown")  # run on the workers as they are, healed or not
@@ -243,6 +244,14 @@ class Leader:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
         self.redis.hset(models_key(self.group), model_id, json.dumps(record))
         return record
+
+    def dead_letters(self, limit: int = 100) -> dict[int, list[str]]:
+        """Per rank, the newest malformed messages its worker dropped (core/safe_transport.py)."""
+        keys = [dead_letter_key(queue_name(self.group, r)) for r in range(self.world_size)]
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.lrange(key, 0, limit - 1)
+        return {rank: [m.decode(errors="replace") for m in found] for rank, found in enumerate(pipe.execute())}
 
     def health(self) -> list[dict | None]:
         """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""

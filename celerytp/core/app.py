@@ -43,6 +43,8 @@ def celery_config(broker_url: str, group: str, ranks: range) -> dict:
         "result_expires": 3600,
         "result_extended": False,
         "broker_connection_retry_on_startup": True,
+        # kombu's Redis transport behind a gate: malformed messages are dead-lettered, never delivered.
+        "broker_transport": "celerytp.core.safe_transport:Transport",
         "broker_transport_options": {"visibility_timeout": 3600},
         "worker_hijack_root_logger": False,
         "worker_redirect_stdouts": False,

@@ -53,6 +53,14 @@ class SafetensorsCheckpoint(Checkpoint):
         self._handles.clear()
 
 
+def _check_shard_name(directory: Path, file: object) -> None:
+    """A shard the index names must be a file of this directory: no paths, no links out of it."""
+    if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"{INDEX_FILE}: shard {file!r} is not a file name in the model directory")
+    if (directory / file).resolve().parent != directory.resolve():
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"{INDEX_FILE}: shard {file!r} links outside the model directory")
+
+
 def _weight_map(directory: Path) -> dict[str, str]:
     """Tensor name -> file name, from the index or by listing the single file."""
     index = directory / INDEX_FILE
@@ -60,6 +68,8 @@ def _weight_map(directory: Path) -> dict[str, str]:
         weight_map = read_json_object(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{index} has no weight_map")
+        for file in set(weight_map.values()):
+            _check_shard_name(directory, file)
         return dict(weight_map)
     single = directory / SINGLE_FILE
     if not single.is_file():

@@ -28,15 +28,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def confine(path: str, roots: tuple[str, ...]) -> Path:
-    """Resolve `path`; it must lie under a configured model root or be the default model."""
+    """Resolve `path`; it, and every file in it that a load may open (symlinks resolved), must lie
+    under a configured model root or be the default model."""
     real = Path(path).expanduser().resolve()
     allowed = [Path(r).expanduser().resolve() for r in roots]
     try:
         allowed.append(Path(default_model_path()).resolve().parent)
     except CeleryTPError:
         pass
-    if not any(real == root or root in real.parents for root in allowed):
+
+    def inside(p: Path) -> bool:
+        return any(p == root or root in p.parents for root in allowed)
+
+    if not inside(real):
         raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'path': {path} is outside the model roots {[str(r) for r in allowed]}")
+    if real.is_dir():
+        for entry in real.iterdir():
+            if not inside(entry.resolve()):
+                raise CeleryTPError(
+                    ErrorKind.BAD_REQUEST, f"field 'path': {entry.name} in {path} links outside the model roots"
+                )
     return real
 
 
