@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import contextlib
 import json
 import sys
@@ -103,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, required=True)
     worker.add_argument("--world-size", type=int, required=True)
     worker.add_argument("--group", default=DEFAULT_GROUP)
-    worker.add_argument("--broker", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    worker.add_argument(
+        "--broker", default=os.environ.get("CELERYTP_BROKER", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (default: $CELERYTP_BROKER; prefer the variable for URLs with a password)",
+    )
     worker.add_argument("--device", default="auto", help="auto, cpu or cuda:K")
     worker.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / world size)")
     worker.add_argument("--model-root", action="append", default=[], help="directory models may be loaded from")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -111,7 +112,8 @@ class LocalCluster:
         self.workdir = Path(tempfile.mkdtemp(prefix="celerytp-"))
         self.redis_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
-        self.broker_url = ""
+        self.broker_url = ""  # holds the private Redis's password: do not print it
+        self._password = secrets.token_urlsafe(24)
         self.leader: Leader | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -160,18 +162,19 @@ class LocalCluster:
         """Stop the private Redis and start a fresh one on the same port (its data is gone, as
         after a restart without persistence)."""
         _stop(self.redis_proc, grace=5)
-        self._start_redis(int(self.broker_url.rsplit(":", 1)[1].split("/")[0]))
+        self._start_redis(redis.Redis.from_url(self.broker_url).connection_pool.connection_kwargs["port"])
 
     def _start_redis(self, port: int | None = None) -> None:
         port = port or _free_port()
         args = [
             find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+            "--requirepass", self._password,  # other local users cannot drive the ranks
         ]
         self.redis_proc = subprocess.Popen(
             args, stdout=open(self.workdir / "redis.log", "wb"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
         )
-        self.broker_url = f"redis://127.0.0.1:{port}/0"
+        self.broker_url = f"redis://:{self._password}@127.0.0.1:{port}/0"
         client = redis.Redis.from_url(self.broker_url)
         deadline = time.monotonic() + 10
         while True:
@@ -188,12 +191,12 @@ class LocalCluster:
         args = [
             sys.executable, "-m", "celerytp", "worker",
             "--rank", str(rank), "--world-size", str(self.world_size), "--group", self.group,
-            "--broker", self.broker_url, "--device", self.device, "--threads", str(self.threads),
+            "--device", self.device, "--threads", str(self.threads),
         ]
         for root in self.model_roots if model_roots is None else model_roots:
             args += ["--model-root", root]
         log = open(self.workdir / f"rank{rank}.log", "ab")
-        env = {**os.environ, **self.extra_env}
+        env = {**os.environ, **self.extra_env, "CELERYTP_BROKER": self.broker_url}  # not in argv: `ps` shows argv
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
     def restart_worker(self, rank: int, model_roots: list[str] | None = None, kill: bool = False) -> None:

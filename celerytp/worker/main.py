@@ -10,6 +10,7 @@ import redis
 from celery.signals import worker_shutting_down
 
 from celerytp.core.app import make_app, queue_name
+from celerytp.core.redact import redact_url
 from celerytp.worker import exits
 from celerytp.worker.config import RankConfig
 from celerytp.worker.lease import RankLease, RankTaken
@@ -40,7 +41,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         print(f"celerytp worker: refusing to start: {exc}", file=sys.stderr)
         return exits.REFUSED
     except redis.RedisError as exc:
-        print(f"celerytp worker: cannot reach Redis at {config.broker_url}: {exc}", file=sys.stderr)
+        print(f"celerytp worker: cannot reach Redis at {redact_url(config.broker_url)}: {exc}", file=sys.stderr)
         return exits.REFUSED
     # Imports torch and the models: only rank workers pay for them.
     from celerytp.worker.state import RankState
