@@ -53,8 +53,26 @@ def celery_config(broker_url: str, group: str, ranks: range) -> dict:
     }
 
 
+SIGNING_ENV = ("CELERYTP_SIGNING_KEY", "CELERYTP_SIGNING_CERT", "CELERYTP_SIGNING_CERT_STORE")
+
+
 def make_app(broker_url: str, group: str = DEFAULT_GROUP, world_size: int = 1, main: str = "celerytp") -> Celery:
-    """A Celery app for one group; `world_size` decides which rank queues are declared."""
+    """A Celery app for one group; `world_size` decides which rank queues are declared.
+
+    With CELERYTP_SIGNING_KEY, _CERT and _CERT_STORE set (a private key, its certificate, and a
+    directory or glob of the certificates whose holders may drive the ranks), every task message
+    is signed and only messages signed by a trusted certificate run (Celery's `auth` serializer).
+    Signing is process-wide: one process holds one signing identity.
+    """
     app = Celery(main, set_as_current=False)
     app.conf.update(celery_config(broker_url, group, range(world_size)))
+    key, cert, store = (os.environ.get(name) for name in SIGNING_ENV)
+    if key or cert or store:
+        if not (key and cert and store):
+            raise ValueError(f"message signing needs all of {', '.join(SIGNING_ENV)}")
+        app.conf.update(
+            task_serializer="auth", accept_content=["auth"], security_key=key, security_certificate=cert,
+            security_cert_store=store, security_digest="sha256",
+        )
+        app.setup_security(allowed_serializers=["json"], serializer="json")
     return app
