@@ -14,7 +14,9 @@ import pytest
 
 from celerytp import Leader
 from celerytp.cluster import LocalCluster
+from celerytp.client.requests import RequestQueues
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.liveness import HeartbeatTiming, RankWatch
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +124,16 @@ def test_redis_restarted_between_requests(rel):
         time.sleep(0.2)
     assert leader.generate("smol", **PROMPT).token_ids == expected
     assert "smol" in leader.models()
+
+
+def test_a_request_redis_lost_fails_instead_of_waiting_for_its_deadline(rel):
+    cluster, _ = rel
+    client = cluster.leader.redis
+    timing = HeartbeatTiming.from_env()
+    queues = RequestQueues(client, "lost", lambda model, loop: None, lambda: RankWatch(client, "lost", [], timing))
+    pending = queues.submit("m", {"request_id": "r1", "prompt": [1, 2], "max_tokens": 4}, max_queue=8)
+    client.delete("celerytp:lost:queue:m", "celerytp:lost:loop:m")  # what a Redis restart does
+    started = time.monotonic()
+    with pytest.raises(CeleryTPError, match="was lost"):
+        pending.result(timeout=60)
+    assert time.monotonic() - started < 5

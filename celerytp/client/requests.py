@@ -77,12 +77,15 @@ class RequestQueues:
         self._followed[spec["request_id"]] = (model_id, item)
         return PendingRequest(self, model_id, spec["request_id"], item, watch)
 
-    def ensure_loop(self, model_id: str, item: str) -> None:
-        """Start a loop for a request still queued with no loop to take it."""
-        keys = [queue_key(self._group, model_id), loop_key(self._group, model_id)]
+    def ensure_loop(self, model_id: str, request_id: str, item: str) -> bool:
+        """Start a loop for a request still queued with no loop to take it; False: the request
+        is nowhere (not queued, no loop, no stream: Redis lost it)."""
+        keys = [queue_key(self._group, model_id), loop_key(self._group, model_id), stream_key(self._group, request_id)]
         loop_id = uuid.uuid4().hex
-        if int(self._restart(keys=keys, args=[item, loop_id, LOOP_START_TTL_S])):
+        outcome = int(self._restart(keys=keys, args=[item, loop_id, LOOP_START_TTL_S]))
+        if outcome == 1:
             self._start_loop(model_id, loop_id)
+        return outcome >= 0
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request: a queued one never runs, a running one stops within a step.
@@ -108,7 +111,7 @@ class RequestQueues:
         """The request's tokens (if streamed) then its result; raises its error, a timeout, or
         rank_lost (and leaves the queue) when a rank's worker dies while it waits."""
         key = stream_key(self._group, request_id)
-        last, checked = "0-0", time.monotonic()
+        last, checked, missing = "0-0", time.monotonic(), 0
         try:
             while True:
                 now = time.monotonic()
@@ -120,8 +123,12 @@ class RequestQueues:
                     if now - checked > STRANDED_CHECK_S:
                         checked = now
                         self._check_ranks(model_id, item, watch)
-                        if last == "0-0":
-                            self.ensure_loop(model_id, item)
+                        missing = 0 if self.ensure_loop(model_id, request_id, item) else missing + 1
+                        if missing >= 2:  # twice in a row, STRANDED_CHECK_S apart: not a race
+                            raise CeleryTPError(
+                                ErrorKind.INTERNAL,
+                                f"request {request_id} was lost: it is neither queued nor running (did Redis restart?)",
+                            )
                     continue
                 for entry_id, fields in reply[0][1]:
                     last = entry_id

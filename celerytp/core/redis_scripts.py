@@ -17,11 +17,15 @@ return 0
 """
 
 # A waiter whose request is still queued while no loop runs (the loop stopped to let another
-# op through, or died). KEYS: queue, loop flag. ARGV: request JSON, new loop id, flag TTL.
-# Returns 1: the caller must start a loop.
+# op through, or died). KEYS: queue, loop flag, the request's stream. ARGV: request JSON, new
+# loop id, flag TTL. Returns 1: the caller must start a loop; -1: the request is lost (not
+# queued, no loop, nothing on its stream: Redis lost it); 0: a loop has it or will.
 RESTART_IF_STRANDED = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-if not redis.call('LPOS', KEYS[1], ARGV[1]) then return 0 end
+if not redis.call('LPOS', KEYS[1], ARGV[1]) then
+  if redis.call('EXISTS', KEYS[3]) == 0 then return -1 end
+  return 0
+end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 return 1
 """
