@@ -8,7 +8,8 @@ distributions, the same for both implementations. Each request streams, so time 
 token and the gaps between tokens are measured at the client. Per implementation, TP size and
 rate: output tokens/s, TTFT p50/p95, inter-token latency p50/p95; and the highest rate whose
 p95 TTFT stays under 2 s. Then the TTFT of a follow-up chat turn after a ~400-token history,
-with and without prefix reuse (new implementation only).
+with and without prefix reuse, and the output tokens/s of 16 streams started together against
+one alone (new implementation only).
 
 The old static batcher is run from git (`--old-ref`, default: the commit before it was
 removed), checked out into a temporary worktree and imported from there, in the same run.
@@ -85,7 +86,30 @@ def drive(args: argparse.Namespace) -> dict:
             report[str(rate)] = run_rate(leader, prompt_of, workload(rate, args.duration, args.seed))
         if args.reuse:
             report["follow_up"] = follow_up(leader, prompt_of)
+            report["concurrency"] = concurrency(leader, prompt_of)
     return report
+
+
+def concurrency(leader, prompt_of, streams: int = 16, tokens: int = 64) -> dict:
+    """Output tokens/s of one stream alone and of `streams` started together (same prompt length)."""
+
+    def run(n: int) -> float:
+        results: list = []
+
+        def one() -> None:
+            results.append(leader.generate("smol", prompt=prompt_of(32), max_tokens=tokens, ignore_eos=True))
+
+        threads = [threading.Thread(target=one) for _ in range(n)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(r.completion_tokens for r in results) / (time.perf_counter() - start)
+
+    alone, together = run(1), run(streams)
+    return {"streams": streams, "tokens_per_s_1": round(alone, 2), f"tokens_per_s_{streams}": round(together, 2),
+            "ratio": round(together / alone, 2)}
 
 
 def run_rate(leader, prompt_of, requests: list[tuple[float, int, int]]) -> dict:
@@ -211,6 +235,7 @@ def main() -> None:
                 print(f"  {rate:>5} req/s {impl}: {f['tokens_per_s']:>7} tok/s  TTFT p50/p95 {f['ttft_p50_s']}/"
                       f"{f['ttft_p95_s']} s  ITL p50/p95 {f['itl_p50_ms']}/{f['itl_p95_ms']} ms  ({f['requests']} req)")
         print(f"  follow-up turn: {figures['new']['follow_up']}")
+        print(f"  concurrent streams: {figures['new']['concurrency']}")
 
 
 if __name__ == "__main__":
