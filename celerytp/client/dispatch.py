@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celerytp.core.app import queue_name
+from celerytp.core.app import UNREAD_PREFIX, queue_name
 from celerytp.core.keys import dispatch_lock_key, epoch_key, seq_key
 from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 
@@ -79,6 +79,8 @@ class ChordPublisher:
         `subscribe` False: nobody will wait for the combined reply (it expires in the backend).
         """
         token, group_id, body_id = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+        if not subscribe:
+            body_id = UNREAD_PREFIX + body_id  # the inline body stores no reply for it
         if subscribe:  # subscribe to the body's result first, so the reply cannot be missed
             self.app.backend.on_task_call(None, body_id)
         seq, epoch = self._take_lock(token, group_id, lock_wait)

@@ -144,7 +144,7 @@ class RequestQueues:
                         raise CeleryTPError(error["kind"], error["message"], op="generate")
         finally:
             self._followed.pop(request_id, None)
-            self._redis.delete(key)
+            self._redis.delete(key, cancel_key(self._group, request_id))
 
     def _check_ranks(self, model_id: str, item: str, watch: RankWatch, wait: bool = False) -> None:
         lost = watch.lost_soon() if wait else watch.lost()

@@ -10,6 +10,7 @@ from kombu import Queue
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 DEFAULT_GROUP = "default"
 GATHER_TASK = "celerytp.gather"  # the chord body: orders the rank replies
+UNREAD_PREFIX = "unread-"  # a chord body id nobody waits on (a serving loop's): its reply is not stored
 
 
 def op_task_name(op: str) -> str:

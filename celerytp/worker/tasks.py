@@ -6,7 +6,7 @@ from typing import Any
 
 from celery import Celery, Task
 
-from celerytp.core.app import GATHER_TASK, op_task_name
+from celerytp.core.app import GATHER_TASK, UNREAD_PREFIX, op_task_name
 from celerytp.worker.handlers import HANDLERS, handle
 from celerytp.worker.state import RankState
 
@@ -38,7 +38,8 @@ class InlineChordBody(Task):
         except Exception as exc:
             self.backend.mark_as_failure(task_id, exc)
         else:
-            self.backend.mark_as_done(task_id, value)
+            if not task_id.startswith(UNREAD_PREFIX):  # e.g. a serving loop's chord: nobody reads it
+                self.backend.mark_as_done(task_id, value)
         return self.AsyncResult(task_id)
 
 
