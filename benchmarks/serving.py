@@ -78,7 +78,8 @@ def drive(args: argparse.Namespace) -> dict:
         return tokenizer.decode(corpus[:n])
 
     report: dict = {}
-    with LocalCluster(world_size=args.tp, group=f"bench{args.tp}") as cluster:
+    tp = args.tp[0]
+    with LocalCluster(world_size=tp, group=f"bench{tp}") as cluster:
         leader = cluster.leader
         leader.load("smol", None, quant="f32", max_batch=16)
         leader.generate("smol", prompt="warm up", max_tokens=4)
