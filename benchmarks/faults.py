@@ -28,22 +28,22 @@ PROMPT = dict(prompt="The capital of France is", max_tokens=8, temperature=0)
 
 
 def in_flight(leader) -> tuple[threading.Thread, list]:
+    """A long streamed generation in a thread, once its first tokens arrived."""
     outcome: list = []
+    started = threading.Event()
 
     def run():
-        stream = leader.stream("smol", prompt="Once upon a time", max_tokens=2000, ignore_eos=True)
         try:
-            for _ in stream:
-                pass
+            for _ in leader.stream("smol", prompt="Once upon a time", max_tokens=2000, ignore_eos=True):
+                started.set()
             outcome.append("completed")
         except CeleryTPError as exc:
             outcome.append((time.monotonic(), exc))
+        started.set()
 
     thread = threading.Thread(target=run)
     thread.start()
-    while leader.serving_stats("smol").get("running_rows", 0) < 1:
-        time.sleep(0.05)
-    time.sleep(0.5)
+    started.wait(60)
     return thread, outcome
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 from celerytp.core.registry import model_record
 from celerytp.core.safe_transport import dead_letter_key
 from celerytp.core.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 GROUP_FORMING_OPS = ("ping", "init", "shutdown")  # run on the workers as they are, healed or not
 LIVENESS_CHECK_S = 0.25
@@ -126,13 +129,20 @@ class Leader:
             "path": path, "dtype": dtype, "max_context": max_context, "max_batch": max_batch, "quant": quant,
             "kv_cache_bytes": kv_cache_bytes, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
         }
+        self._ensure_group()
+        return self._load(model_id, fields, progress, timeout)
+
+    def _load(self, model_id: str, fields: dict[str, Any], progress: bool = False, timeout: float = 1800.0) -> list:
+        """Load with `fields` (core.registry.LOAD_FIELDS) and record the model (no healing first)."""
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
-            replies = self.call("load", {"model_id": model_id, **fields}, timeout=timeout, on_wait=bar.update)
+            replies = self._call("load", {"model_id": model_id, **fields}, timeout, bar.update)
         first = replies[0]
         record = model_record(
             fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,
             max_context=first.max_context, max_batch=first.max_batch,
         )
+        holders = read_owners(self.redis, self.group, self.world_size)  # who holds it: a replaced one lost it
+        record["holders"] = [h.decode() if h else None for h in holders]
         self.redis.hset(models_key(self.group), model_id, json.dumps(record))
         return replies
 
@@ -260,20 +270,28 @@ class Leader:
 
     # ---- healing ----------------------------------------------------------------------
 
-    def _group_changed(self) -> bool:
-        """True when the ranks' workers are not the ones that formed the group (a rank was lost)."""
-        raw = self.redis.get(members_key(self.group))
-        if raw is None:
-            return False  # no record (Redis restarted): the workers' own group stands
-        members = [m.encode() if m else None for m in json.loads(raw)]
-        return read_owners(self.redis, self.group, self.world_size) != members
+    def _damage(self) -> tuple[bool, list[str]]:
+        """What changed since the group formed and since each model was loaded: (the group must
+        form again, the models to load again). A rank's worker was replaced, or a model is
+        recorded as loaded by workers that no longer hold the ranks."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(members_key(self.group))
+        pipe.mget([owner_key(self.group, r) for r in range(self.world_size)])
+        pipe.hgetall(models_key(self.group))
+        members, owners, models = pipe.execute()
+        now = [o.decode() if o else None for o in owners]
+        regroup = members is not None and json.loads(members) != now  # no record (Redis restarted): it stands
+        stale = [k.decode() for k, v in models.items() if json.loads(v).get("holders", now) != now]
+        return regroup, stale
 
     def _ensure_group(self) -> None:
-        if self._group_changed():
+        regroup, stale = self._damage()
+        if regroup or stale:
             self.heal()
 
     def heal(self, timeout: float | None = None) -> None:
-        """Re-form the group once every rank has a live worker, and load again every model it had.
+        """Re-form the group once every rank has a live worker, and load again every model that a
+        replaced worker lost.
 
         Waits up to `timeout` (default: recovery_timeout) for the supervisors to restart lost
         ranks. The models and their load settings come from the Redis registry and from what
@@ -281,15 +299,19 @@ class Leader:
         heals at a time; the others wait for it.
         """
         deadline = time.monotonic() + (self.recovery_timeout if timeout is None else timeout)
-        if not any(read_owners(self.redis, self.group, self.world_size)):  # nothing to wait for
-            self._live_owners("heal")
+        # No live worker at all for a heartbeat's lifetime: nobody is restarting them, fail now.
+        none_until = min(deadline, time.monotonic() + self._timing.ttl_s + self._timing.missing_grace_s)
+        while not any(read_owners(self.redis, self.group, self.world_size)):
+            if time.monotonic() > none_until:
+                self._live_owners("heal")
+            time.sleep(0.1)
         token, lock = uuid.uuid4().hex, heal_lock_key(self.group)
         while not self.redis.set(lock, token, nx=True, ex=HEAL_LOCK_TTL_S):
             if time.monotonic() > deadline:
                 raise CeleryTPError(ErrorKind.TIMEOUT, "another leader is still healing the group", op="heal")
             time.sleep(0.2)
         try:
-            while self._group_changed():
+            while any(self._damage()):
                 try:
                     self._heal_once(deadline)
                 except CeleryTPError as exc:
@@ -308,14 +330,18 @@ class Leader:
                     "heal", [RankFailure(r, ErrorKind.RANK_LOST, "no live worker came back for this rank") for r in missing]
                 )
             time.sleep(0.2)
+        regroup, stale = self._damage()
         pongs = self._call("ping", None, self.timeout)
         records = {model_id: record for pong in reversed(pongs) for model_id, record in pong.models.items()}
         records.update((k.decode(), json.loads(v)) for k, v in self.redis.hgetall(models_key(self.group)).items())
-        with self.app.connection_for_write() as conn:  # ops published to the broken group
-            for rank in range(self.world_size):
-                conn.default_channel.queue_purge(queue_name(self.group, rank))
-        self.init()
+        if regroup:
+            with self.app.connection_for_write() as conn:  # ops published to the broken group
+                for rank in range(self.world_size):
+                    conn.default_channel.queue_purge(queue_name(self.group, rank))
+            self.init()
         for model_id, record in records.items():
+            if not regroup and model_id not in stale:
+                continue
             self.redis.delete(loop_key(self.group, model_id))
             if any(model_id in pong.models for pong in pongs):
                 try:
@@ -323,7 +349,13 @@ class Leader:
                 except CeleryTPError as exc:
                     if exc.kinds != {ErrorKind.MODEL_NOT_LOADED}:
                         raise
-            self.load(model_id, **record["load"])
+            try:
+                self._load(model_id, record["load"])
+            except CeleryTPError as exc:
+                if exc.kinds & {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT}:
+                    raise  # the group broke again: heal again
+                log.error("model %s could not be loaded again after a rank was replaced, so it is unloaded: %s", model_id, exc)
+                self.redis.hdel(models_key(self.group), model_id)
 
     # ---- dispatch ---------------------------------------------------------------------
 

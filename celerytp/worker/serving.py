@@ -137,6 +137,7 @@ class ServingLoop:
         self._events = Events()
         self._yielding = False
         self._abort: tuple[str, str] | None = None  # rank 0's own failure, sent in the next plan
+        self._admitting: list[GenSpec] = []  # rank 0: taken off the queue, not yet in a row
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -157,7 +158,8 @@ class ServingLoop:
                 self._guarded(lambda: self._sample(sampled))
 
     def running_requests(self) -> list[GenSpec]:
-        return [seq.spec for seq in self.running.values()]
+        """Rank 0: every request this loop holds, in a row or on its way to one (to fail them)."""
+        return [seq.spec for seq in self.running.values()] + self._admitting
 
     def flush(self) -> None:
         """Rank 0: deliver what is still undelivered (results of the last step, cancellations)."""
@@ -217,6 +219,7 @@ class ServingLoop:
                               key=lambda choice: (choice[1], -choice[0]))  # longest reuse, then the lowest row
             free.remove(row)
             plan.admissions.append((spec, row, reused))
+            self._admitting.append(spec)
 
     def _check(self, spec: GenSpec) -> None:
         """What a rank must refuse before a request enters a row (the leader checked it too)."""
@@ -270,6 +273,7 @@ class ServingLoop:
             self.running[row] = seq
             self.stats["requests"] += 1
             self.stats["reused_tokens"] += reused
+        self._admitting.clear()
 
     def _start(self, seq: Sequence) -> None:
         spec = seq.spec

@@ -151,6 +151,10 @@ class RankState:
         if self.device is None:
             resolve_device(self.config.device, self.rank)  # raises device_unavailable
         self.destroy_group()
+        # torch names the group by a process-wide counter that a failed init advances without
+        # making a group: a rank that failed one would wait under other store keys than a fresh
+        # peer. Only the default group exists here, so every rank starts the count at 0.
+        dist.distributed_c10d._world.group_count = 0
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         store = RedisStore(self.redis, rendezvous_prefix(self.config.group, comm_id), timedelta(seconds=timeout_s))
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
