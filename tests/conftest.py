@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# hypothesis is imported at start-up: imported late (by its plugin's end-of-run summary, under
+# assertion rewriting) it trips CPython 3.11.7's AST recursion check and fails the whole run.
+import hypothesis  # noqa: F401
 import pytest
 
 from celerytp.cluster import LocalCluster

@@ -37,6 +37,10 @@ LIVENESS_CHECK_S = 0.25
 HEAL_LOCK_TTL_S = 600  # a leader that dies while healing frees the lock after this  # how often a waiting op looks at the ranks' heartbeats
 
 
+def _no_worker(op: str, ranks: list[int], why: str) -> CeleryTPError:
+    return CeleryTPError.from_failures(op, [RankFailure(r, ErrorKind.RANK_LOST, why) for r in ranks])
+
+
 class _RanksLost(Exception):
     def __init__(self, lost: dict[int, str]):
         self.lost = lost
@@ -141,9 +145,7 @@ class Leader:
             fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,
             max_context=first.max_context, max_batch=first.max_batch,
         )
-        holders = read_owners(self.redis, self.group, self.world_size)  # who holds it: a replaced one lost it
-        record["holders"] = [h.decode() if h else None for h in holders]
-        self.redis.hset(models_key(self.group), model_id, json.dumps(record))
+        self._keep_record(model_id, record, read_owners(self.redis, self.group, self.world_size))
         return replies
 
     def models(self) -> dict[str, dict]:
@@ -249,11 +251,17 @@ class Leader:
         raw = self.redis.hget(models_key(self.group), model_id)
         if raw is not None:
             return json.loads(raw)
-        record = self.models().get(model_id)
+        holders = read_owners(self.redis, self.group, self.world_size)
+        record = self.models().get(model_id)  # held by every rank's current worker
         if record is None:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
-        self.redis.hset(models_key(self.group), model_id, json.dumps(record))
+        self._keep_record(model_id, record, holders)
         return record
+
+    def _keep_record(self, model_id: str, record: dict[str, Any], holders: list[bytes | None]) -> None:
+        """Register a model as held by the workers `holders` (a replaced one will have lost it)."""
+        record = {**record, "holders": [h.decode() if h else None for h in holders]}
+        self.redis.hset(models_key(self.group), model_id, json.dumps(record))
 
     def dead_letters(self, limit: int = 100) -> dict[int, list[str]]:
         """Per rank, the newest malformed messages its worker dropped (core/safe_transport.py)."""
@@ -326,9 +334,7 @@ class Leader:
     def _heal_once(self, deadline: float) -> None:
         while missing := [r for r, o in enumerate(read_owners(self.redis, self.group, self.world_size)) if o is None]:
             if time.monotonic() > deadline:
-                raise CeleryTPError.from_failures(
-                    "heal", [RankFailure(r, ErrorKind.RANK_LOST, "no live worker came back for this rank") for r in missing]
-                )
+                raise _no_worker("heal", missing, "no live worker came back for this rank")
             time.sleep(0.2)
         regroup, stale = self._damage()
         pongs = self._call("ping", None, self.timeout)
@@ -416,9 +422,7 @@ class Leader:
             if not missing:
                 return owners
             if time.monotonic() > deadline:
-                raise CeleryTPError.from_failures(
-                    op, [RankFailure(r, ErrorKind.RANK_LOST, "no live worker holds this rank") for r in missing]
-                )
+                raise _no_worker(op, missing, "no live worker holds this rank")
             time.sleep(0.05)
 
     def _rank_watch(self) -> RankWatch:
@@ -454,6 +458,7 @@ class Leader:
             raise CeleryTPError.from_failures(op, self._failed_ranks(sent, exc)) from None
         finally:
             self.redis.delete(self.app.backend.get_key_for_task(sent.body_id))
+
     def _unfinished_ranks(self, sent: PublishedChord, timeout: float) -> list[RankFailure]:
         """Name the ranks that did not answer (and whether their worker lives) and those that failed."""
         finished = self._publisher.finished_parts(sent)
