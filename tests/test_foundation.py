@@ -159,6 +159,7 @@ def test_malformed_messages_are_dead_lettered_and_the_workers_live(cluster2):
         json.dumps(_envelope(queue, headers={"task": op_task_name("ping")})).encode(),  # no id header
         json.dumps(_envelope(queue, **{"content-type": "application/x-python-serialize"})).encode(),
         json.dumps(_envelope(queue, body=base64.b64encode(b'{"op": "ping"}').decode())).encode(),  # not a task body
+        json.dumps(_envelope(queue, padding="x" * (9 << 20))).encode(),  # too large
     ]
     client = cluster2.leader.redis
     client.delete(f"{queue}.deadletter")

@@ -23,6 +23,7 @@ from kombu.utils.encoding import bytes_to_str
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_MAX = 1000
+MAX_MESSAGE_BYTES = 8 << 20  # the largest op (a step of 131,072 tokens) is about 1 MiB of JSON
 JSON = "application/json"
 SIGNED = "application/data"  # Celery's `auth` serializer: a signed JSON body, checked by Celery itself
 ALLOWED_CONTENT_TYPES = (JSON, SIGNED)
@@ -38,6 +39,8 @@ def dead_letter_key(queue: str) -> str:
 
 def check_envelope(raw: bytes | str) -> dict[str, Any]:
     """The decoded envelope of a well-formed Celery JSON task message; MalformedMessage otherwise."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise MalformedMessage(f"{len(raw)} bytes: more than the {MAX_MESSAGE_BYTES} a message may have")
     try:
         envelope = json.loads(bytes_to_str(raw))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -79,7 +82,7 @@ class Channel(kombu_redis.Channel):
         try:
             with self.conn_or_acquire() as client:
                 key = dead_letter_key(queue)
-                client.pipeline().lpush(key, raw).ltrim(key, 0, DEAD_LETTER_MAX - 1).execute()
+                client.pipeline().lpush(key, raw[:65536]).ltrim(key, 0, DEAD_LETTER_MAX - 1).execute()
         except Exception as exc:  # the broker went away: the message is logged above
             log.warning("could not dead-letter the message: %s", exc)
 
