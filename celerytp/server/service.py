@@ -1,0 +1,60 @@
+"""What both front doors (HTTP and the Celery task) do with a request: find the model, run it on
+the leader, count it. Blocking calls: the HTTP API runs them in its thread pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celerytp.client.generation import GenerationResult, TokenStream
+from celerytp.client.leader import Leader
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.server.metrics import Metrics, RankState
+
+
+class Service:
+    """Args:
+    leader: the group's leader client.
+    metrics: where served requests are counted (None: not counted).
+    """
+
+    def __init__(self, leader: Leader, metrics: Metrics | None = None):
+        self.leader = leader
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(RankState(self.stats, lambda: [r is not None for r in leader.health()]))
+
+    def models(self) -> dict[str, dict]:
+        return self.leader.models()
+
+    def resolve(self, name: str | None) -> str:
+        """The model id a request names (or the one model served, when it names none)."""
+        models = self.models()
+        if name is None:
+            if len(models) != 1:
+                raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'model': required; loaded: {sorted(models)}")
+            return next(iter(models))
+        if name not in models:
+            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {name!r} is not loaded; loaded: {sorted(models)}")
+        return name
+
+    def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
+        result = self.leader.generate(model_id, **options)
+        self.count(model_id, result)
+        return result
+
+    def stream(self, model_id: str, options: dict[str, Any]) -> TokenStream:
+        return self.leader.stream(model_id, **options)
+
+    def count(self, model_id: str, result: GenerationResult) -> None:
+        if self.metrics is not None:
+            self.metrics.served(model_id, result.prompt_tokens, result.completion_tokens, result.ttft_s, result.decode_s)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {model: self.leader.serving_stats(model) for model in self.models()}
+
+    def health(self) -> dict[str, Any]:
+        """Each rank's heartbeat; `ok` False names the ranks with no live worker."""
+        beats = self.leader.health()
+        dead = [rank for rank, beat in enumerate(beats) if beat is None]
+        ranks = [{"rank": r, "status": "down" if b is None else "up", **(b or {})} for r, b in enumerate(beats)]
+        return {"ok": not dead, "dead_ranks": dead, "ranks": ranks, "group": self.leader.group}
