@@ -77,5 +77,5 @@ def frontend_argv(group: str, concurrency: int = 16) -> list[str]:
     return [
         "worker", "--queues", requests_queue(group), "--hostname", f"celerytp.{group}.frontend@%h",
         "--pool", "threads", "--concurrency", str(concurrency), "--without-gossip", "--without-mingle",
-        "--loglevel", "WARNING", "--quiet",
+        "--loglevel", "WARNING",
     ]

@@ -48,6 +48,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
 
     @field_validator("n")
     @classmethod
@@ -67,7 +68,7 @@ class SamplingFields(BaseModel):
         """Keyword options for Leader.generate/stream (unset ones left to the model's defaults)."""
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-            "stop": self.stop,
+            "stop": self.stop, "ignore_eos": self.ignore_eos,
         }
 
 

@@ -1,0 +1,194 @@
+"""`celerytp serve` as users meet it: a real server process attached to a real two-rank group,
+driven by the real OpenAI client, plain HTTP, and a plain Celery app (its own `Celery(...)`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
+
+from celerytp.cluster import LocalCluster
+from celerytp.core.model_files import default_model_path
+
+KEY = "test-key-123"
+MODEL = "smol"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def group():
+    with LocalCluster(world_size=2, group="srv", model_roots=[os.path.dirname(default_model_path())]) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def server(group, tmp_path_factory):
+    """`celerytp serve --broker ...` in a subprocess; yields its base URL once the model answers."""
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until teardown
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    args = [sys.executable, "-m", "celerytp", "serve", "--broker", group.broker_url, "--group", group.group,
+            "--tp", "2", "--port", str(port), "--api-key", KEY, "--model-id", MODEL, "--max-batch", "4"]
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+    yield url
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) in (0, 130), log_path.read_text()
+    assert "celerytp serving 'smol'" in log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_chat_greedy_equals_leader(client, group):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    direct = group.leader.generate(MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == direct.text
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == ("length" if direct.finish_reason == "length" else "stop")
+    assert reply.usage.prompt_tokens == direct.prompt_tokens
+    assert reply.usage.completion_tokens == direct.completion_tokens
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_stream_equals_non_stream(client):
+    options = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(**options)
+    chunks = list(client.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_stream_and_stop_string(client):
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    stop = text.split()[2]  # a word the greedy answer reaches
+    cut = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_errors_in_openai_shape(client, server):
+    for bad, param in [({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=CHAT, **bad)
+        assert caught.value.body["param"] == param, caught.value.body
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert caught.value.body["code"] == "model_not_found"
+    wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    bad_json = httpx.post(f"{server}/v1/completions", content=b"{", headers={"Authorization": f"Bearer {KEY}"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body"
+
+
+def test_disconnect_cancels_generation(server, group):
+    """A stream read for a few tokens, then dropped: the ranks stop long before max_tokens."""
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 8:
+                break
+    deadline = time.monotonic() + 20
+    while group.leader.serving_stats(MODEL).get("running_rows", 0) or group.leader.serving_stats(MODEL)["loop_running"]:
+        assert time.monotonic() < deadline, group.leader.serving_stats(MODEL)
+        time.sleep(0.1)
+    assert group.leader.serving_stats(MODEL)["steps"] < 500
+
+
+def test_plain_celery_app_sends_generate(group):
+    """A producer that knows only the task name, the queue and the broker."""
+    app = Celery("plain-producer", broker=group.broker_url, backend=group.broker_url)
+    kwargs = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    reply = app.send_task("celerytp.generate", kwargs=kwargs, queue="celerytp.srv.requests").get(timeout=60)
+    direct = group.leader.generate(MODEL, **kwargs)
+    assert reply["text"] == direct.text and reply["token_ids"] == direct.token_ids
+    assert reply["usage"]["completion_tokens"] == direct.completion_tokens and reply["model"] == MODEL
+    failed = app.send_task("celerytp.generate", kwargs={"prompt": "x", "max_tokens": -1}, queue="celerytp.srv.requests")
+    with pytest.raises(Exception, match=r"bad_request: field 'max_tokens'"):
+        failed.get(timeout=60)
+
+
+def test_two_models_and_admin_endpoints(client, server, group):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    loaded = httpx.post(f"{server}/admin/models", json={"model": "smol-b", "max_batch": 2}, headers=auth, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    assert sorted(m.id for m in client.models.list().data) == [MODEL, "smol-b"]
+    a = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0).choices[0].text
+    b = client.completions.create(model="smol-b", prompt="One, two,", max_tokens=6, temperature=0).choices[0].text
+    assert a == b  # the same weights under two ids
+    assert httpx.delete(f"{server}/admin/models/smol-b", headers=auth, timeout=60).status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0).choices[0].text == a
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="smol-b", prompt="One", max_tokens=2)
+
+
+def test_metrics_count_requests(client, server):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{server}/metrics").text  # no key needed
+        return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    after = scrape()
+    served = "celerytp_requests_total[('endpoint', '/v1/completions'), ('status', '200')]"
+    assert after[served] == before.get(served, 0) + 1
+    tokens = f"celerytp_generated_tokens_total[('model', '{MODEL}')]"
+    assert after[tokens] == before.get(tokens, 0) + 5
+    ttft = f"celerytp_time_to_first_token_seconds_count[('model', '{MODEL}')]"
+    assert after[ttft] == before.get(ttft, 0) + 1
+    assert after["celerytp_rank_up[('rank', '0')]"] == 1 and after["celerytp_rank_up[('rank', '1')]"] == 1
+    assert f"celerytp_queue_depth[('model', '{MODEL}')]" in after
+
+
+def test_health_names_a_stopped_rank(server, group):
+    """Last in the module: it stops rank 1's worker."""
+    assert httpx.get(f"{server}/health").json()["ok"] is True
+    os.killpg(group.workers[1].pid, signal.SIGTERM)
+    group.workers[1].wait(30)
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"{server}/health")).status_code != 503:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.2)
+    assert health.json()["dead_ranks"] == [1]
+    assert [r["status"] for r in health.json()["ranks"]] == ["up", "down"]
