@@ -3,7 +3,9 @@ driven by the real OpenAI client, plain HTTP, and a plain Celery app (its own `C
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,8 +18,7 @@ import pytest
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
-from celerytp.cluster import LocalCluster
-from celerytp.core.model_files import default_model_path
+from celerytp.client.leader import Leader
 
 KEY = "test-key-123"
 MODEL = "smol"
@@ -30,37 +31,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def group():
-    with LocalCluster(world_size=2, group="srv", model_roots=[os.path.dirname(default_model_path())]) as cluster:
-        yield cluster
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env})
+
+
+class Served:
+    """A running `celerytp serve` and a Leader of its embedded group."""
+
+    def __init__(self, url: str, broker_url: str):
+        self.url = url
+        self.broker_url = broker_url
+        self.group = "srv"
+        self.leader = Leader(broker_url, self.group, world_size=2)
 
 
 @pytest.fixture(scope="module")
-def server(group, tmp_path_factory):
-    """`celerytp serve --broker ...` in a subprocess; yields its base URL once the model answers."""
+def served(tmp_path_factory):
+    """`celerytp serve --tp 2` (embedded: private Redis + 2 rank workers) in a subprocess, once the
+    model answers; on teardown Ctrl-C must stop it and its workers."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until teardown
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
-    args = [sys.executable, "-m", "celerytp", "serve", "--broker", group.broker_url, "--group", group.group,
-            "--tp", "2", "--port", str(port), "--api-key", KEY, "--model-id", MODEL, "--max-batch", "4"]
+    args = [sys.executable, "-m", "celerytp", "serve", "--group", "srv", "--tp", "2", "--port", str(port),
+            "--api-key", KEY, "--model-id", MODEL, "--max-batch", "4"]
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
+    while not (banner := re.search(r"celerytp serving 'smol' .* broker (redis://\S+)\)", log_path.read_text())):
         assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]:
-                break
-        except httpx.HTTPError:
-            pass
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.2)
-    yield url
+    while not healthy(url):  # the banner comes just before the port opens
+        assert time.monotonic() < deadline, "server did not answer"
+        time.sleep(0.1)
+    served = Served(url, banner.group(1))
+    workers = [r["pid"] for r in httpx.get(f"{url}/health").json()["ranks"]]
+    yield served
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) in (0, 130), log_path.read_text()
-    assert "celerytp serving 'smol'" in log_path.read_text()
+    for pid in workers:  # the embedded rank workers are gone too
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served.url
+
+
+@pytest.fixture(scope="module")
+def group(served):
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +185,24 @@ def test_two_models_and_admin_endpoints(client, server, group):
     a = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0).choices[0].text
     b = client.completions.create(model="smol-b", prompt="One, two,", max_tokens=6, temperature=0).choices[0].text
     assert a == b  # the same weights under two ids
+    listed = cli("celerytp", "models", "list", "--broker", group.broker_url, "--group", "srv", "--tp", "2")
+    assert sorted(json.loads(listed.stdout)) == [MODEL, "smol-b"], listed.stderr
     assert httpx.delete(f"{server}/admin/models/smol-b", headers=auth, timeout=60).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
+    gone = cli("celerytp", "models", "unload", "smol-b", "--broker", group.broker_url, "--group", "srv", "--tp", "2")
+    assert gone.returncode == 2 and gone.stderr.startswith("error: model_not_loaded: "), gone.stderr
     assert client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0).choices[0].text == a
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="smol-b", prompt="One", max_tokens=2)
+
+
+def test_celery_tools_see_the_ranks(group):
+    """`celery -A celerytp.app ...` works as for any Celery project (configured from CELERYTP_*)."""
+    ping = cli("celery", "-A", "celerytp.app", "inspect", "ping", "-t", "2",
+               CELERYTP_BROKER=group.broker_url, CELERYTP_GROUP="srv", CELERYTP_WORLD_SIZE="2")
+    assert ping.returncode == 0, ping.stderr
+    for name in ("celerytp.srv.rank0@", "celerytp.srv.rank1@", "celerytp.srv.frontend@"):
+        assert name in ping.stdout
 
 
 def test_metrics_count_requests(client, server):
@@ -184,8 +227,7 @@ def test_metrics_count_requests(client, server):
 def test_health_names_a_stopped_rank(server, group):
     """Last in the module: it stops rank 1's worker."""
     assert httpx.get(f"{server}/health").json()["ok"] is True
-    os.killpg(group.workers[1].pid, signal.SIGTERM)
-    group.workers[1].wait(30)
+    os.kill(httpx.get(f"{server}/health").json()["ranks"][1]["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 30
     while (health := httpx.get(f"{server}/health")).status_code != 503:
         assert time.monotonic() < deadline, health.text
