@@ -66,6 +66,7 @@ def _worker(args: argparse.Namespace) -> int:
         config = RankConfig(
             rank=args.rank, world_size=args.world_size, group=args.group, broker_url=args.broker,
             device=args.device, threads=args.threads, model_roots=tuple(args.model_root),
+            redis_wait_s=args.redis_wait,
         )
     except ValueError as exc:
         raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
@@ -210,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", default="auto", help="auto, cpu or cuda:K")
     worker.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / world size)")
     worker.add_argument("--model-root", action="append", default=[], help="directory models may be loaded from")
+    worker.add_argument("--redis-wait", type=float, default=60.0, help="seconds to wait for Redis at start-up")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=_worker)
 

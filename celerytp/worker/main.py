@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import redis
 
 from celerytp.core.app import make_app, queue_name
+from celerytp.core.secrets import mask_logged_secrets, mask_secrets
 from celerytp.worker.config import RankConfig
 from celerytp.worker.lease import RankLease, RankTaken
 
@@ -17,15 +19,17 @@ log = logging.getLogger(__name__)
 def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     """Run the rank worker until it is told to stop; returns the exit code."""
     logging.basicConfig(level=loglevel, format=f"[rank {config.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    mask_logged_secrets()
     client = redis.Redis.from_url(config.broker_url)
     lease = RankLease(client, config.group, config.rank, config.device)
     try:
-        lease.acquire()
+        claim_rank(lease, config)
     except RankTaken as exc:
-        print(f"celerytp worker: refusing to start: {exc}", file=sys.stderr)
+        print(f"error: bad_request: refusing to start: {exc}", file=sys.stderr)
         return 2
     except redis.RedisError as exc:
-        print(f"celerytp worker: cannot reach Redis at {config.broker_url}: {exc}", file=sys.stderr)
+        print(f"error: timeout: cannot reach Redis at {mask_secrets(config.broker_url)}: {mask_secrets(str(exc))}",
+              file=sys.stderr)
         return 2
     # Imports torch and the models: only rank workers pay for them.
     from celerytp.worker.state import RankState
@@ -43,6 +47,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         "--without-gossip",
         "--without-mingle",
     ]
+    app.log.setup = _masked(app.log.setup)  # Celery installs its own handlers when the worker starts
     try:
         app.worker_main(argv)
     except SystemExit as exc:
@@ -50,3 +55,32 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     finally:
         lease.release()
     return 0
+
+
+def claim_rank(lease: RankLease, config: RankConfig) -> None:
+    """Take the rank, waiting (with a log line per try) up to `redis_wait_s` while Redis is not
+    reachable yet, as when a whole deployment starts at once. A refused password fails at once."""
+    deadline = time.monotonic() + config.redis_wait_s
+    delay = 0.5
+    while True:
+        try:
+            lease.acquire()
+            return
+        except (redis.AuthenticationError, redis.ResponseError):
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis at %s is not reachable (%s); retrying in %.1f s",
+                        mask_secrets(config.broker_url), mask_secrets(str(exc)), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _masked(setup):
+    def wrapped(*args, **kwargs):
+        result = setup(*args, **kwargs)
+        mask_logged_secrets()
+        return result
+
+    return wrapped
