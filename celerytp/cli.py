@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from celerytp.core.app import DEFAULT_GROUP
+from celerytp.core.app import DEFAULT_BROKER, DEFAULT_GROUP
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import mask_secrets
 
@@ -206,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", parents=[common], help="run one rank worker (consumes only its rank queue)")
     worker.add_argument("--rank", type=int, required=True)
     worker.add_argument("--world-size", type=positive_int, required=True)
-    worker.add_argument("--group", default=DEFAULT_GROUP)
-    worker.add_argument("--broker", default="redis://127.0.0.1:6379/0", help="Redis URL")
+    worker.add_argument("--group", default=os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP))
+    worker.add_argument("--broker", default=os.environ.get("CELERYTP_BROKER", DEFAULT_BROKER),
+                        help="Redis URL (default: $CELERYTP_BROKER; there it stays out of `ps`)")
     worker.add_argument("--device", default="auto", help="auto, cpu or cuda:K")
     worker.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / world size)")
     worker.add_argument("--model-root", action="append", default=[], help="directory models may be loaded from")
@@ -268,10 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_leader_args(parser: argparse.ArgumentParser, broker_required: bool = False) -> None:
     parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks (world size)")
-    parser.add_argument("--group", default=DEFAULT_GROUP)
-    parser.add_argument("--broker", default=os.environ.get("CELERYTP_BROKER") if broker_required else None,
+    parser.add_argument("--group", default=os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP))
+    parser.add_argument("--broker", default=os.environ.get("CELERYTP_BROKER"),
                         required=broker_required and not os.environ.get("CELERYTP_BROKER"),
-                        help="Redis URL of running workers" + ("" if broker_required else "; omitted: a LocalCluster"))
+                        help="Redis URL of running workers (default: $CELERYTP_BROKER)"
+                        + ("" if broker_required else "; neither: an embedded LocalCluster"))
 
 
 def main(argv: list[str] | None = None) -> int:

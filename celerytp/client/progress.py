@@ -13,7 +13,8 @@ from celerytp.core.keys import load_progress_key
 
 
 class LoadProgress:
-    """Shows the slowest rank's tensors-loaded count while a load op runs (no-op if disabled)."""
+    """Shows the slowest rank's tensors-loaded count while a load op runs (no-op if disabled):
+    a bar on a terminal, a line per 10% when stderr is a file or a pipe (logs)."""
 
     def __init__(self, client: redis.Redis, group: str, model_id: str, world_size: int, enabled: bool = True):
         self._redis = client
@@ -22,6 +23,7 @@ class LoadProgress:
         self._enabled = enabled
         self._bar: tqdm | None = None
         self._last = 0.0
+        self._tenth = -1  # the last 10% step printed (no terminal)
 
     def __enter__(self) -> LoadProgress:
         return self
@@ -39,6 +41,13 @@ class LoadProgress:
         if not ranks:
             return
         slowest = min(ranks, key=lambda r: r["done"] / max(r["total"], 1))
+        if not sys.stderr.isatty():
+            tenth = 10 * slowest["done"] // max(slowest["total"], 1)
+            if tenth > self._tenth:
+                self._tenth = tenth
+                print(f"loading: {10 * tenth}% ({slowest['done']}/{slowest['total']} tensors, "
+                      f"{len(ranks)}/{self._world_size} ranks reporting)", file=sys.stderr, flush=True)
+            return
         if self._bar is None:
             self._bar = tqdm(total=slowest["total"], desc="loading", unit="tensor", file=sys.stderr, leave=False)
         self._bar.n = slowest["done"]
