@@ -205,6 +205,38 @@ def test_celery_tools_see_the_ranks(group):
         assert name in ping.stdout
 
 
+def test_flower_lists_the_ranks_and_their_tasks(client, group):
+    """Flower, started as for any Celery app, sees every rank worker and celerytp tasks (events on by default)."""
+    port = free_port()
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={port}", "--address=127.0.0.1",
+         "--basic-auth=admin:pw"],
+        env={**os.environ, "PYTHONPATH": ROOT, "CELERYTP_BROKER": group.broker_url, "CELERYTP_GROUP": "srv",
+             "CELERYTP_WORLD_SIZE": "2"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                workers = httpx.get(f"{api}/workers", params={"refresh": 1}, auth=("admin", "pw"), timeout=10).json()
+                if {"celerytp.srv.rank0", "celerytp.srv.rank1"} <= {w.split("@")[0] for w in workers}:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "flower did not list the ranks"
+            time.sleep(0.5)
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        while not {t.get("name") for t in httpx.get(f"{api}/tasks", auth=("admin", "pw")).json().values()} & {
+            "celerytp.rank.serve", "celerytp.gather"}:
+            assert time.monotonic() < deadline, "flower saw no celerytp task"
+            time.sleep(0.5)
+    finally:
+        flower.terminate()
+        flower.wait(30)
+
+
 def test_metrics_count_requests(client, server):
     def scrape() -> dict[str, float]:
         text = httpx.get(f"{server}/metrics").text  # no key needed
