@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 import redis
@@ -24,17 +25,37 @@ class LoadProgress:
         self._bar: tqdm | None = None
         self._last = 0.0
         self._tenth = -1  # the last 10% step printed (no terminal)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="celerytp-load-progress", daemon=True)
 
     def __enter__(self) -> LoadProgress:
+        # Polled from its own thread: the result backend's wait calls `on_interval` only rarely.
+        if self._enabled:
+            self._poller.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._poller.is_alive():
+            self._poller.join()
         if self._bar is not None:
             self._bar.close()
 
+    def _poll(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self.update()
+            except redis.RedisError:
+                return
+
     def update(self) -> None:
+        with self._lock:
+            self._update()
+
+    def _update(self) -> None:
         now = time.monotonic()
-        if not self._enabled or now - self._last < 0.25:
+        if not self._enabled or now - self._last < 0.2:
             return
         self._last = now
         ranks = [json.loads(v) for v in self._redis.hvals(self._key)]
