@@ -102,8 +102,8 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
 def test_chat_greedy_equals_leader(client, group):
-    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
-    direct = group.leader.generate(MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    direct = group.leader.generate(MODEL, messages=CHAT, max_tokens=8, temperature=0)
     assert reply.choices[0].message.content == direct.text
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].finish_reason == ("length" if direct.finish_reason == "length" else "stop")
@@ -132,6 +132,19 @@ def test_chat_stream_and_stop_string(client):
     cut = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_logprobs_from_the_ranks(client):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens and "".join(c.token for c in content) == \
+        reply.choices[0].message.content
+    for item in content:  # greedy: the chosen token is the most likely one
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob) and item.logprob <= 0
+    text = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=3, temperature=0, logprobs=1)
+    assert "".join(text.choices[0].logprobs.tokens) == text.choices[0].text
 
 
 def test_errors_in_openai_shape(client, server):

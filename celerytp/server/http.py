@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from celerytp.client.generation import GenerationResult
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.server.errors import HTTPProblem, celerytp_response, from_celerytp, problem_response
+from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs
 from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse
 from celerytp.server.service import Service
 
@@ -116,7 +117,8 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         model_id = await run_in_threadpool(service.resolve, body.model)
         request_id = uuid.uuid4().hex
         options = {**body.options(), "request_id": request_id}
-        shape = Shape(chat, model_id, request_id)
+        decode = await run_in_threadpool(service.decoder, model_id) if options.get("logprobs") else None
+        shape = Shape(chat, model_id, request_id, top_logprobs(body), decode)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = await run_in_threadpool(service.stream, model_id, options)  # a bad request fails here, as JSON
@@ -194,6 +196,13 @@ def usage(result: GenerationResult) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
+def top_logprobs(body: SamplingFields) -> int:
+    """How many alternatives per token the response lists."""
+    if isinstance(body, ChatRequest):
+        return body.top_logprobs or 0
+    return getattr(body, "logprobs", None) or 0
+
+
 def model_card(model_id: str, record: dict) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "celerytp",
             "max_context": record.get("max_context"), "max_batch": record.get("max_batch")}
@@ -202,8 +211,9 @@ def model_card(model_id: str, record: dict) -> dict:
 class Shape:
     """OpenAI's response and chunk objects for one request (chat or text completion)."""
 
-    def __init__(self, chat: bool, model_id: str, request_id: str):
+    def __init__(self, chat: bool, model_id: str, request_id: str, top_n: int = 0, decode: Decode | None = None):
         self.chat, self.model_id, self.request_id = chat, model_id, request_id
+        self.top_n, self.decode = top_n, decode
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
 
@@ -215,7 +225,11 @@ class Shape:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
         else:
             choice = {"index": 0, "text": result.text}
-        choice.update(logprobs=None, finish_reason=finish_reason(result))
+        logprobs = None
+        if self.decode is not None:
+            shape = chat_logprobs if self.chat else completion_logprobs
+            logprobs = shape(result, self.decode, self.top_n)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason(result))
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": usage(result)}
 

@@ -3,11 +3,13 @@ the leader, count it. Blocking calls: the HTTP API runs them in its thread pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from celerytp.client.generation import GenerationResult, TokenStream
 from celerytp.client.leader import Leader
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.tokenizer import load_tokenizer
 from celerytp.server.metrics import Metrics, RankState
 
 
@@ -36,6 +38,10 @@ class Service:
         if name not in models:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {name!r} is not loaded; loaded: {sorted(models)}")
         return name
+
+    def decoder(self, model_id: str) -> Callable[[list[int]], str]:
+        """Token ids -> text with the model's tokenizer (cached per path)."""
+        return load_tokenizer(self.models()[model_id]["path"]).decode
 
     def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
         result = self.leader.generate(model_id, **options)
