@@ -58,6 +58,39 @@ def model_path(arg: str | None) -> str:
     return existing_model(arg or default_model_path())
 
 
+def attention_heads(path: str) -> tuple[int, int] | None:
+    """(query heads, KV heads) from a GGUF header or a config.json, without loading weights."""
+    from celerytp.core.gguf_metadata import read_gguf_metadata
+    from celerytp.core.model_files import is_gguf_file, read_json_object
+
+    if is_gguf_file(path):
+        meta = read_gguf_metadata(path)
+        arch = meta.get("general.architecture")
+        heads = meta.get(f"{arch}.attention.head_count")
+        return (heads, meta.get(f"{arch}.attention.head_count_kv", heads)) if isinstance(heads, int) else None
+    config = read_json_object(Path(path) / "config.json")
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    return (heads, config.get("num_key_value_heads", heads)) if isinstance(heads, int) else None
+
+
+def check_tp_fits(path: str, tp: int) -> None:
+    """Refuse a --tp the model's attention heads cannot be split over, before any worker starts.
+    (The sharding rule lives with the model stack; a leader-only install leaves it to the ranks.)"""
+    heads = attention_heads(path)
+    try:
+        from celerytp.layers.partition import split_heads
+    except ImportError:
+        return
+    if heads is None:
+        return
+    try:
+        for rank in range(tp):
+            split_heads(rank, tp, *heads)
+    except CeleryTPError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"--tp {tp} does not fit {Path(path).name}: {exc.message}") from None
+
+
 def _worker(args: argparse.Namespace) -> int:
     from celerytp.worker.config import RankConfig
     from celerytp.worker.main import run_worker
@@ -112,6 +145,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     path = model_path(args.model)
     quant = checked_quant(args.quant)
+    check_tp_fits(path, args.tp)
     check_broker(args)
     model_id = args.model_id or Path(path).stem
     if not args.broker:
@@ -154,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
     from celerytp.server.config import ServeConfig
 
     path = model_path(args.model)
+    check_tp_fits(path, args.tp)
     config = ServeConfig(
         model_path=path, model_id=args.model_id or Path(path).stem, tp=args.tp, host=args.host, port=args.port,
         broker=args.broker, group=args.group, api_key=args.api_key or os.environ.get("CELERYTP_API_KEY") or None,

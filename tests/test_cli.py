@@ -36,6 +36,8 @@ def free_port() -> int:
      "error: bad_request: celerytp generate: argument --max-tokens: must be >= 1, got -1"),
     (["serve", "/no/such/model.gguf"], "error: bad_request: no such file or directory: /no/such/model.gguf"),
     (["serve", "--quant", "q9_9"], "error: bad_request: unknown quant 'q9_9'"),
+    (["serve", "--tp", "4"], ("error: bad_request: --tp 4 does not fit SmolLM2-135M-Instruct.Q4_1.gguf: world size 4 "
+                             "exceeds num_kv_heads 3")),
     (["serve", "--port", "70000"], "error: bad_request: --port must be in 1..65535, got 70000"),
     (["models", "list", "--broker", f"redis://:{SECRET}@127.0.0.1:1/0"],
      "error: bad_request: cannot reach the broker at redis://:***@127.0.0.1:1/0"),

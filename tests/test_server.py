@@ -269,7 +269,7 @@ def test_metrics_count_requests(client, server):
     assert f"celerytp_queue_depth[('model', '{MODEL}')]" in after
 
 
-def test_health_names_a_stopped_rank(server, group):
+def test_health_names_a_stopped_rank(client, server, group):
     """Last in the module: it stops rank 1's worker."""
     assert httpx.get(f"{server}/health").json()["ok"] is True
     os.kill(httpx.get(f"{server}/health").json()["ranks"][1]["pid"], signal.SIGTERM)
@@ -279,3 +279,6 @@ def test_health_names_a_stopped_rank(server, group):
         time.sleep(0.2)
     assert health.json()["dead_ranks"] == [1]
     assert [r["status"] for r in health.json()["ranks"]] == ["up", "down"]
+    with pytest.raises(openai.InternalServerError) as caught:  # refused at once, not left to time out
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert caught.value.status_code == 503 and "rank(s) [1]" in caught.value.body["message"]

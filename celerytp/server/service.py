@@ -43,12 +43,21 @@ class Service:
         """Token ids -> text with the model's tokenizer (cached per path)."""
         return load_tokenizer(self.models()[model_id]["path"]).decode
 
+    def require_ranks(self) -> None:
+        """Refuse at once (rank_lost, naming the ranks) when a rank has no live worker: its
+        request would otherwise wait for a serving loop that cannot run."""
+        dead = [rank for rank, beat in enumerate(self.leader.health()) if beat is None]
+        if dead:
+            raise CeleryTPError(ErrorKind.RANK_LOST, f"no live worker holds rank(s) {dead} of group {self.leader.group!r}")
+
     def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
+        self.require_ranks()
         result = self.leader.generate(model_id, **options)
         self.count(model_id, result)
         return result
 
     def stream(self, model_id: str, options: dict[str, Any]) -> TokenStream:
+        self.require_ranks()
         return self.leader.stream(model_id, **options)
 
     def count(self, model_id: str, result: GenerationResult) -> None:
