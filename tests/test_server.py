@@ -216,6 +216,11 @@ def test_celery_tools_see_the_ranks(group):
     assert ping.returncode == 0, ping.stderr
     for name in ("celerytp.srv.rank0@", "celerytp.srv.rank1@", "celerytp.srv.frontend@"):
         assert name in ping.stdout
+    app = Celery("plain-inspector", broker=group.broker_url)
+    status = app.control.inspect(timeout=2)._request("celerytp_status")
+    ranks = {reply["rank"]: reply for reply in status.values() if "rank" in reply}
+    assert sorted(ranks) == [0, 1] and ranks[0]["comm_id"] == ranks[1]["comm_id"] is not None
+    assert MODEL in ranks[0]["models"] and ranks[1]["rss_bytes"] > 0
 
 
 def test_flower_lists_the_ranks_and_their_tasks(client, group):

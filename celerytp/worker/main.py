@@ -9,6 +9,7 @@ import time
 import redis
 
 from celerytp.core.app import make_app, queue_name
+from celerytp.core.remote_status import provide_status
 from celerytp.core.secrets import mask_logged_secrets, mask_secrets
 from celerytp.worker.config import RankConfig
 from celerytp.worker.lease import RankLease, RankTaken
@@ -32,11 +33,16 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
               file=sys.stderr)
         return 2
     # Imports torch and the models: only rank workers pay for them.
-    from celerytp.worker.state import RankState
+    from celerytp.worker.state import RankState, rss_bytes
     from celerytp.worker.tasks import register_tasks
 
     app = make_app(config.broker_url, config.group, config.world_size)
-    register_tasks(app, RankState(config))
+    state = RankState(config)
+    register_tasks(app, state)
+    provide_status(lambda: {
+        "group": config.group, "rank": config.rank, "world_size": config.world_size, "comm_id": state.comm_id,
+        "device": str(state.device), "models": sorted(state.models), "rss_bytes": rss_bytes(),
+    })
     argv = [
         "worker",
         "--queues", queue_name(config.group, config.rank),
