@@ -224,7 +224,8 @@ def test_celery_tools_see_the_ranks(group):
 
 
 def test_flower_lists_the_ranks_and_their_tasks(client, group):
-    """Flower, started as for any Celery app, sees every rank worker and celerytp tasks (events on by default)."""
+    """Flower, started as for any Celery app, sees every rank worker and, once it has turned the
+    workers' task events on (its default `enable_events`, every 5 s), celerytp tasks."""
     port = free_port()
     flower = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={port}", "--address=127.0.0.1",
@@ -245,11 +246,11 @@ def test_flower_lists_the_ranks_and_their_tasks(client, group):
                 pass
             assert time.monotonic() < deadline, "flower did not list the ranks"
             time.sleep(0.5)
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         while not {t.get("name") for t in httpx.get(f"{api}/tasks", auth=("admin", "pw")).json().values()} & {
             "celerytp.rank.serve", "celerytp.gather"}:
             assert time.monotonic() < deadline, "flower saw no celerytp task"
-            time.sleep(0.5)
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            time.sleep(1.5)  # past the serving loop's idle time: the next request starts a new serve chord
     finally:
         flower.terminate()
         flower.wait(30)
