@@ -193,7 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_path=path, model_id=args.model_id or Path(path).stem, tp=args.tp, host=args.host, port=args.port,
         broker=args.broker, group=args.group, api_key=args.api_key or os.environ.get("CELERYTP_API_KEY") or None,
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
-        frontend=not args.no_frontend,
+        frontend=not args.no_frontend, request_timeout=args.request_timeout,
     )
     config.check_environment()
     return serve(config)
@@ -222,11 +222,27 @@ def _models(args: argparse.Namespace) -> int:
     elif args.action == "unload":
         if not args.model:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "unload: name the model id")
-        leader.unload(args.model)
+        known = args.model in leader.models()
+        try:
+            leader.unload(args.model)
+        except CeleryTPError as exc:
+            if not (known and exc.kinds == {ErrorKind.MODEL_NOT_LOADED}):
+                raise
+            print(f"cleared the record of {args.model}: no rank held it (the workers restarted since its load)")
+            return 0
         print(f"unloaded {args.model}")
     else:
-        print(json.dumps(leader.models(), indent=2))
+        print(json.dumps(held_models(leader), indent=2))
     return 0
+
+
+def held_models(leader) -> dict[str, dict]:
+    """The group's model records, each with the ranks that hold it now (asked of the ranks through
+    the `celerytp_status` remote-control command): a record no rank holds is stale."""
+    replies = leader.app.control.inspect(timeout=1.0)._request("celerytp_status") or {}
+    ranks = {r["rank"]: set(r["models"]) for r in replies.values() if r.get("group") == leader.group and "rank" in r}
+    return {model: {**record, "held_by_ranks": sorted(r for r, held in ranks.items() if model in held)}
+            for model, record in leader.models().items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's config)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
-    gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 or f32 (default: the file's own)")
+    gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
     output = gen.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--stream", action="store_true", help="print tokens as they come")
@@ -281,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
     serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     serve.add_argument("--max-context", type=positive_int, default=None, help="tokens per request (default: what fits)")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     serve.add_argument("--no-frontend", action="store_true", help="do not consume celerytp.generate Celery tasks")
     add_leader_args(serve)
     serve.set_defaults(func=_serve)

@@ -94,6 +94,7 @@ def serve(config: ServeConfig) -> int:
     # SIGTERM unwinds like Ctrl-C, so the embedded cluster and the front door are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with group_for(config) as leader:
+        leader.generate_timeout = config.request_timeout
         ensure_model(leader, config)
         with contextlib.ExitStack() as stack:
             if config.frontend:

@@ -200,6 +200,7 @@ def test_two_models_and_admin_endpoints(client, server, group):
     assert a == b  # the same weights under two ids
     listed = cli("celerytp", "models", "list", "--broker", group.broker_url, "--group", "srv", "--tp", "2")
     assert sorted(json.loads(listed.stdout)) == [MODEL, "smol-b"], listed.stderr
+    assert json.loads(listed.stdout)["smol-b"]["held_by_ranks"] == [0, 1]
     assert httpx.delete(f"{server}/admin/models/smol-b", headers=auth, timeout=60).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
     gone = cli("celerytp", "models", "unload", "smol-b", "--broker", group.broker_url, "--group", "srv", "--tp", "2")

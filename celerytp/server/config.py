@@ -62,6 +62,7 @@ class ServeConfig:
     api_key: Bearer key required on the API (None: open).
     quant, max_batch, max_context: load settings.
     frontend: also consume `celerytp.generate` tasks (the Celery front door).
+    request_timeout: seconds a request may take before it is cancelled and answered 504.
     """
 
     model_path: str
@@ -76,11 +77,14 @@ class ServeConfig:
     max_batch: int = 16
     max_context: int | None = None
     frontend: bool = True
+    request_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         positive("--tp", self.tp)
         positive("--max-batch", self.max_batch)
         positive("--max-context", self.max_context)
+        if not self.request_timeout > 0:
+            raise bad(f"--request-timeout must be > 0, got {self.request_timeout}")
         if not self.model_id:
             raise bad("--model-id must not be empty")
 

@@ -52,7 +52,12 @@ class Service:
 
     def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
         self.require_ranks()
-        result = self.leader.generate(model_id, **options)
+        try:
+            result = self.leader.generate(model_id, **options)
+        except CeleryTPError as exc:
+            if exc.kind is ErrorKind.TIMEOUT and options.get("request_id"):
+                self.leader.cancel(options["request_id"])  # nobody waits for it any more
+            raise
         self.count(model_id, result)
         return result
 
