@@ -184,6 +184,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"celerytp serve needs the server extra "
+                            f"(pip install 'celerytp[server]'): {exc}") from None
     from celerytp.launch import serve
     from celerytp.server.config import ServeConfig
 
