@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -192,12 +193,25 @@ def test_plain_celery_app_sends_generate(group):
 
 def test_two_models_and_admin_endpoints(client, server, group):
     auth = {"Authorization": f"Bearer {KEY}"}
-    loaded = httpx.post(f"{server}/admin/models", json={"model": "smol-b", "max_batch": 2}, headers=auth, timeout=120)
+    loaded = httpx.post(f"{server}/admin/models", json={"model": "smol-b", "max_batch": 1, "max_queue": 1},
+                        headers=auth, timeout=120)
     assert loaded.status_code == 200, loaded.text
     assert sorted(m.id for m in client.models.list().data) == [MODEL, "smol-b"]
     a = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0).choices[0].text
     b = client.completions.create(model="smol-b", prompt="One, two,", max_tokens=6, temperature=0).choices[0].text
     assert a == b  # the same weights under two ids
+
+    def one(_: int) -> str:  # one row and one queue place: of 4 at once, some are refused
+        try:
+            client.completions.create(model="smol-b", prompt="Hi", max_tokens=16, extra_body={"ignore_eos": True})
+            return "ok"
+        except openai.RateLimitError as exc:
+            assert exc.body["code"] == "overloaded"
+            return "429"
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = sorted(pool.map(one, range(4)))
+    assert "429" in outcomes and "ok" in outcomes, outcomes
     listed = cli("celerytp", "models", "list", "--broker", group.broker_url, "--group", "srv", "--tp", "2")
     assert sorted(json.loads(listed.stdout)) == [MODEL, "smol-b"], listed.stderr
     assert json.loads(listed.stdout)["smol-b"]["held_by_ranks"] == [0, 1]

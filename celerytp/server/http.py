@@ -100,7 +100,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         model_id, path = body.get("model"), body.get("path")
         if not isinstance(model_id, str) or not model_id:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'model': a model id is required")
-        options = {k: body[k] for k in ("quant", "max_batch", "max_context", "dtype") if body.get(k) is not None}
+        options = {k: body[k] for k in ("quant", "max_batch", "max_context", "max_queue", "dtype") if body.get(k) is not None}
         started = time.perf_counter()
         await run_in_threadpool(service.leader.load, model_id, path, **options)
         if metrics is not None:
