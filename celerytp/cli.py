@@ -246,8 +246,9 @@ def _models(args: argparse.Namespace) -> int:
 def held_models(leader) -> dict[str, dict]:
     """The group's model records, each with the ranks that hold it now (asked of the ranks through
     the `celerytp_status` remote-control command): a record no rank holds is stale."""
-    replies = leader.app.control.inspect(timeout=1.0)._request("celerytp_status") or {}
-    ranks = {r["rank"]: set(r["models"]) for r in replies.values() if r.get("group") == leader.group and "rank" in r}
+    from celerytp.server.service import held_by_ranks
+
+    ranks = held_by_ranks(leader)
     return {model: {**record, "held_by_ranks": sorted(r for r, held in ranks.items() if model in held)}
             for model, record in leader.models().items()}
 

@@ -224,6 +224,18 @@ def test_two_models_and_admin_endpoints(client, server, group):
         client.completions.create(model="smol-b", prompt="One", max_tokens=2)
 
 
+def test_a_record_no_rank_holds_is_not_listed_and_can_be_cleared(client, group):
+    """As after the rank workers restarted: Redis lists a model the ranks never loaded."""
+    key = f"celerytp:{group.group}:models"
+    group.leader.redis.hset(key, "ghost", group.leader.redis.hget(key, MODEL))
+    assert [m.id for m in client.models.list().data] == [MODEL]  # asked of the ranks
+    args = ("--broker", group.broker_url, "--group", "srv", "--tp", "2")
+    assert json.loads(cli("celerytp", "models", "list", *args).stdout)["ghost"]["held_by_ranks"] == []
+    cleared = cli("celerytp", "models", "unload", "ghost", *args)
+    assert cleared.returncode == 0 and "cleared the record of ghost" in cleared.stdout, cleared.stderr
+    assert "ghost" not in group.leader.models()
+
+
 def test_celery_tools_see_the_ranks(group):
     """`celery -A celerytp.app ...` works as for any Celery project (configured from CELERYTP_*)."""
     ping = cli("celery", "-A", "celerytp.app", "inspect", "ping", "-t", "2",

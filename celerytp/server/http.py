@@ -74,7 +74,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
-        models = await run_in_threadpool(service.models)
+        models = await run_in_threadpool(service.loaded)
         return {"object": "list", "data": [model_card(m, r) for m, r in sorted(models.items())]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)

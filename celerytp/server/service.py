@@ -13,6 +13,19 @@ from celerytp.core.tokenizer import load_tokenizer
 from celerytp.server.metrics import Metrics, RankState
 
 
+def held_by_ranks(leader: Leader, timeout: float = 1.0) -> dict[int, set[str]]:
+    """The models each live rank holds now, asked of the rank workers themselves (the
+    `celerytp_status` remote-control command, answered even while an op runs); a rank with no
+    live worker or no answer is left out."""
+    beats = leader.health()
+    names = [f"celerytp.{leader.group}.rank{rank}@{beat['host']}" for rank, beat in enumerate(beats) if beat]
+    if not names:
+        return {}
+    inspect = leader.app.control.inspect(destination=names, timeout=timeout, limit=len(names))
+    replies = inspect._request("celerytp_status") or {}
+    return {r["rank"]: set(r["models"]) for r in replies.values() if r.get("group") == leader.group and "rank" in r}
+
+
 class Service:
     """Args:
     leader: the group's leader client.
@@ -27,6 +40,15 @@ class Service:
 
     def models(self) -> dict[str, dict]:
         return self.leader.models()
+
+    def loaded(self) -> dict[str, dict]:
+        """The model records every rank confirms it holds now (a record left by workers that
+        restarted is not listed); when some rank cannot answer, the records as they are."""
+        records = self.models()
+        held = held_by_ranks(self.leader)
+        if len(held) < self.leader.world_size:
+            return records
+        return {model: record for model, record in records.items() if all(model in h for h in held.values())}
 
     def resolve(self, name: str | None) -> str:
         """The model id a request names (or the one model served, when it names none)."""
