@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -215,6 +216,22 @@ def _frontend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flower(args: argparse.Namespace) -> int:
+    """Flower for the group: `celery -A celerytp.app flower`, the broker passed in the environment.
+    Flower turns the workers' task events on itself."""
+    check_broker(args)
+    if importlib.util.find_spec("flower") is None:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, "Flower is not installed: pip install 'celerytp[flower]'")
+    env = {**os.environ, "CELERYTP_BROKER": args.broker, "CELERYTP_GROUP": args.group,
+           "CELERYTP_WORLD_SIZE": str(args.tp)}
+    if args.basic_auth:
+        env["FLOWER_BASIC_AUTH"] = args.basic_auth
+    argv = [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={args.port}",
+            f"--address={args.address}"]
+    os.execvpe(sys.executable, argv, env)
+    return 0  # not reached
+
+
 def _models(args: argparse.Namespace) -> int:
     from celerytp.client.leader import Leader
 
@@ -314,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="consume celerytp.generate tasks (CELERYTP_BROKER, CELERYTP_GROUP, CELERYTP_WORLD_SIZE)")
     front.add_argument("--concurrency", type=positive_int, default=16)
     front.set_defaults(func=_frontend)
+
+    flower = sub.add_parser("flower", parents=[common], help="run Flower for the group's workers")
+    flower.add_argument("--port", type=int, default=5555)
+    flower.add_argument("--address", default="127.0.0.1")
+    flower.add_argument("--basic-auth", default=None, help="user:password (or $FLOWER_BASIC_AUTH)")
+    add_leader_args(flower, broker_required=True)
+    flower.set_defaults(func=_flower)
 
     models = sub.add_parser("models", parents=[common], help="list, load or unload models on running workers")
     models.add_argument("action", choices=["list", "load", "unload"])

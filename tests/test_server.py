@@ -251,14 +251,13 @@ def test_celery_tools_see_the_ranks(group):
 
 
 def test_flower_lists_the_ranks_and_their_tasks(client, group):
-    """Flower, started as for any Celery app, sees every rank worker and, once it has turned the
+    """Flower (`celerytp flower`, i.e. `celery -A celerytp.app flower`) sees every rank worker and, once it has turned the
     workers' task events on (its default `enable_events`, every 5 s), celerytp tasks."""
     port = free_port()
     flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={port}", "--address=127.0.0.1",
-         "--basic-auth=admin:pw"],
-        env={**os.environ, "PYTHONPATH": ROOT, "CELERYTP_BROKER": group.broker_url, "CELERYTP_GROUP": "srv",
-             "CELERYTP_WORLD_SIZE": "2"},
+        [sys.executable, "-m", "celerytp", "flower", "--port", str(port), "--basic-auth", "admin:pw",
+         "--broker", group.broker_url, "--group", "srv", "--tp", "2"],  # execs `celery -A celerytp.app flower`
+        env={**os.environ, "PYTHONPATH": ROOT},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     api = f"http://127.0.0.1:{port}/api"
