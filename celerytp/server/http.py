@@ -97,6 +97,8 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     @app.post("/admin/models", dependencies=auth)
     async def load_model(request: Request) -> dict:
         body = await json_body(request)
+        if not isinstance(body, dict):
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'body': a JSON object is required")
         model_id, path = body.get("model"), body.get("path")
         if not isinstance(model_id, str) or not model_id:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'model': a model id is required")
@@ -110,7 +112,10 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     @app.delete("/admin/models/{model_id:path}", dependencies=auth)
     async def unload_model(model_id: str) -> dict:
         await run_in_threadpool(service.resolve, model_id)
+        started = time.perf_counter()
         await run_in_threadpool(service.leader.unload, model_id)
+        if metrics is not None:
+            metrics.chord_latency.labels("unload").observe(time.perf_counter() - started)
         return {"id": model_id, "object": "model", "deleted": True}
 
     async def answer(request: Request, body: SamplingFields, chat: bool) -> Response:
