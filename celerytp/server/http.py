@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -155,21 +156,47 @@ async def until_disconnected(request: Request, work: Awaitable[Any], on_disconne
     return await task
 
 
+def pump(stream: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+    """In its own thread: move a TokenStream's deltas (then _END, or the error) onto `queue`, so
+    the event loop is woken once per token instead of handing each token across threads."""
+    try:
+        for delta in stream:
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+        loop.call_soon_threadsafe(queue.put_nowait, _END)
+    except RuntimeError:  # the event loop closed: the server is stopping
+        pass
+    except Exception as exc:  # noqa: BLE001 - handed to the event loop, which answers it
+        loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+
 async def sse(service: Service, request: Request, stream: Any, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events of a TokenStream, in OpenAI's chunk format; cancels on disconnect."""
-    tokens = iter(stream)
-    finished = False
-    cancel = lambda: service.leader.cancel(shape.request_id)
+    queue: asyncio.Queue = asyncio.Queue()
+    threading.Thread(target=pump, args=(stream, asyncio.get_running_loop(), queue), daemon=True).start()
+    finished, checked = False, time.monotonic()
     try:
         if shape.chat:
             yield event(shape.chunk({"role": "assistant", "content": ""}, None))
         while True:
-            delta = await until_disconnected(request, run_in_threadpool(next, tokens, _END), cancel)
-            if await request.is_disconnected():
-                return
-            if delta is _END:
+            try:
+                items = [await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)]
+            except TimeoutError:
+                items = []
+            if time.monotonic() - checked > DISCONNECT_POLL_S:  # tokens may never leave a gap to check in
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return
+            if not items:
+                continue
+            while not queue.empty():  # whatever else arrived meanwhile goes out in one write
+                items.append(queue.get_nowait())
+            deltas = [item for item in items if isinstance(item, str)]
+            if deltas:
+                yield "".join(event(shape.chunk(delta, None)) for delta in deltas)
+            if isinstance(items[-1], Exception):  # _END or an error is always the last item
+                raise items[-1]
+            if items[-1] is _END:
                 break
-            yield event(shape.chunk(delta, None))
         result: GenerationResult = stream.result
         finished = True
         if result is None:
@@ -185,7 +212,7 @@ async def sse(service: Service, request: Request, stream: Any, shape: Shape, inc
         yield "data: [DONE]\n\n"
     finally:
         if not finished:  # the client went away (or the server is stopping): free the row
-            await asyncio.shield(run_in_threadpool(cancel))
+            await asyncio.shield(run_in_threadpool(service.leader.cancel, shape.request_id))
 
 
 def event(payload: dict) -> str:
