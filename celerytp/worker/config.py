@@ -15,6 +15,7 @@ class RankConfig:
     device: ``auto``, ``cpu`` or ``cuda:K``.
     threads: torch intra-op threads; 0 = the cores divided among the ranks.
     model_roots: directories model paths must lie under (besides the default model's).
+    redis_wait_s: how long start-up waits for an unreachable Redis before giving up.
     """
 
     rank: int
@@ -24,6 +25,7 @@ class RankConfig:
     device: str = "auto"
     threads: int = 0
     model_roots: tuple[str, ...] = field(default_factory=tuple)
+    redis_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -10,7 +10,8 @@ import redis
 from celery.signals import worker_shutting_down
 
 from celerytp.core.app import make_app, queue_name
-from celerytp.core.redact import redact_url
+from celerytp.core.remote_status import provide_status
+from celerytp.core.secrets import mask_logged_secrets, mask_secrets
 from celerytp.worker import exits
 from celerytp.worker.config import RankConfig
 from celerytp.worker.lease import RankLease, RankTaken
@@ -18,43 +19,38 @@ from celerytp.worker.lease import RankLease, RankTaken
 log = logging.getLogger(__name__)
 
 
-def _claim(lease: RankLease) -> None:
-    """Claim the rank, waiting out the claim of a worker that just died (its heartbeat's TTL)."""
-    deadline = time.monotonic() + 2 * lease.timing.ttl_s
-    while True:
-        try:
-            return lease.acquire()
-        except RankTaken:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(lease.timing.refresh_s / 2)
-
-
 def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
-    """Run the rank worker until it is told to stop; returns the exit code."""
+    """Run the rank worker until it is told to stop; returns the exit code (worker/exits.py)."""
     logging.basicConfig(level=loglevel, format=f"[rank {config.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    mask_logged_secrets()
     client = redis.Redis.from_url(config.broker_url)
     lease = RankLease(client, config.group, config.rank, config.device)
     try:
-        _claim(lease)
+        claim_rank(lease, config)
     except RankTaken as exc:
-        print(f"celerytp worker: refusing to start: {exc}", file=sys.stderr)
+        print(f"error: bad_request: refusing to start: {exc}", file=sys.stderr)
         return exits.REFUSED
     except redis.RedisError as exc:
-        print(f"celerytp worker: cannot reach Redis at {redact_url(config.broker_url)}: {exc}", file=sys.stderr)
+        print(f"error: timeout: cannot reach Redis at {mask_secrets(config.broker_url)}: {mask_secrets(str(exc))}",
+              file=sys.stderr)
         return exits.REFUSED
     # Imports torch and the models: only rank workers pay for them.
-    from celerytp.worker.state import RankState
+    from celerytp.worker.state import RankState, rss_bytes
     from celerytp.worker.tasks import register_tasks
     from celerytp.worker.watchdog import PeerWatchdog
 
     app = make_app(config.broker_url, config.group, config.world_size)
     state = RankState(config)
     register_tasks(app, state)
+    provide_status(lambda: {
+        "group": config.group, "rank": config.rank, "world_size": config.world_size, "comm_id": state.comm_id,
+        "device": str(state.device), "models": sorted(state.models), "rss_bytes": rss_bytes(),
+    })
 
     @worker_shutting_down.connect(weak=False)
     def _told_to_stop(sig: str, **_) -> None:  # SIGTERM/SIGINT from a supervisor, or the shutdown op
         state.stop_requested = True
+
     PeerWatchdog(state, lease.timing, on_exit=lease.release).start()
     argv = [
         "worker",
@@ -66,6 +62,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         "--without-gossip",
         "--without-mingle",
     ]
+    app.log.setup = _masked(app.log.setup)  # Celery installs its own handlers when the worker starts
     try:
         app.worker_main(argv)
     except SystemExit as exc:
@@ -78,3 +75,38 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         log.error("the Celery worker stopped without being told to")
         code = exits.UNEXPECTED
     return code
+
+
+def claim_rank(lease: RankLease, config: RankConfig) -> None:
+    """Take the rank. While Redis is not reachable yet (a whole deployment starting at once), wait
+    up to `redis_wait_s` with a log line per try; while the rank's previous worker, just died,
+    still holds it, wait out its heartbeat TTL. A refused password fails at once."""
+    deadline = time.monotonic() + config.redis_wait_s
+    taken_until = time.monotonic() + 2 * lease.timing.ttl_s
+    delay = 0.5
+    while True:
+        try:
+            lease.acquire()
+            return
+        except RankTaken:
+            if time.monotonic() > taken_until:
+                raise
+            time.sleep(lease.timing.refresh_s / 2)
+        except (redis.AuthenticationError, redis.ResponseError):
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("Redis at %s is not reachable (%s); retrying in %.1f s",
+                        mask_secrets(config.broker_url), mask_secrets(str(exc)), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _masked(setup):
+    def wrapped(*args, **kwargs):
+        result = setup(*args, **kwargs)
+        mask_logged_secrets()
+        return result
+
+    return wrapped

@@ -1,0 +1,21 @@
+"""The module-level Celery app, for Celery's own tools: `celery -A celerytp.app inspect ping`,
+`celery -A celerytp.app status`, `celery -A celerytp.app inspect celerytp_status` (each rank's
+group, comm_id, models and RSS), `celery -A celerytp.app flower`, and a front-door worker
+(`celery -A celerytp.app worker -Q celerytp.<group>.requests -P threads`).
+
+Configured from the environment: CELERYTP_BROKER (Redis URL), CELERYTP_GROUP, CELERYTP_WORLD_SIZE.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celerytp.core import remote_status  # noqa: F401 - registers `inspect celerytp_status`
+from celerytp.core.app import DEFAULT_BROKER, DEFAULT_GROUP
+from celerytp.server.frontend import make_frontend_app
+
+app = make_frontend_app(
+    os.environ.get("CELERYTP_BROKER", DEFAULT_BROKER),
+    os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP),
+    int(os.environ.get("CELERYTP_WORLD_SIZE", "1")),
+)

@@ -1,0 +1,81 @@
+"""The Celery front door: a `celerytp.generate` task that any Celery producer can send.
+
+It takes the HTTP API's fields as kwargs (`model`, `prompt` or `messages`, max_tokens,
+temperature, top_p, seed, stop, ...), validated the same way, and returns a JSON dict. A failure
+is a task failure whose message starts with the error kind (`bad_request: field 'x': ...`); it is
+raised as a builtin RuntimeError so that a producer without celerytp installed can rebuild it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from celerytp.client.leader import Leader
+from celerytp.core.app import make_app
+from celerytp.core.errors import CeleryTPError
+from celerytp.core.secrets import mask_secrets
+from celerytp.server.schemas import TaskRequest, parse
+from celerytp.server.service import Service
+
+GENERATE_TASK = "celerytp.generate"
+
+
+def requests_queue(group: str) -> str:
+    """The queue `celerytp.generate` tasks are sent to (`queue=` in send_task)."""
+    return f"celerytp.{group}.requests"
+
+
+def run_request(service: Service, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One `celerytp.generate` request, as the task returns it."""
+    body = parse(TaskRequest, kwargs)
+    model_id = service.resolve(body.model)
+    result = service.generate(model_id, body.options())
+    return {
+        "model": model_id, "text": result.text, "token_ids": result.token_ids,
+        "finish_reason": "length" if result.finish_reason == "length" else "stop",
+        "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                  "total_tokens": result.prompt_tokens + result.completion_tokens},
+    }
+
+
+def register_generate(app: Celery, service: Callable[[], Service]) -> None:
+    """Add the `celerytp.generate` task to `app`; `service` gives the Service to run it on."""
+
+    @app.task(name=GENERATE_TASK)
+    def generate(**kwargs: Any) -> dict[str, Any]:
+        try:
+            return run_request(service(), kwargs)
+        except CeleryTPError as exc:
+            raise RuntimeError(f"{exc.kind}: {mask_secrets(exc.message)}") from None
+
+
+def make_frontend_app(broker_url: str, group: str, world_size: int) -> Celery:
+    """A Celery app that knows the rank queues and the requests queue, with `celerytp.generate`
+    registered (its Leader is made on first use, in the worker process)."""
+    app = make_app(broker_url, group, world_size, main="celerytp")
+    app.conf.task_queues = [*app.conf.task_queues, Queue(requests_queue(group), routing_key=requests_queue(group))]
+    app.conf.task_routes = {GENERATE_TASK: {"queue": requests_queue(group)}}
+    lock, made = threading.Lock(), []
+
+    def service() -> Service:
+        with lock:
+            if not made:
+                made.append(Service(Leader(broker_url, group, world_size)))
+            return made[0]
+
+    register_generate(app, service)
+    return app
+
+
+def frontend_argv(group: str, concurrency: int = 16) -> list[str]:
+    """`worker_main` arguments of a front-door worker: the requests queue, threads (requests block)."""
+    return [
+        "worker", "--queues", requests_queue(group), "--hostname", f"celerytp.{group}.frontend@%h",
+        "--pool", "threads", "--concurrency", str(concurrency), "--without-gossip", "--without-mingle",
+        "--loglevel", "WARNING",
+    ]

@@ -1,0 +1,102 @@
+"""What both front doors (HTTP and the Celery task) do with a request: find the model, run it on
+the leader, count it. Blocking calls: the HTTP API runs them in its thread pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from celerytp.client.generation import GenerationResult, TokenStream
+from celerytp.client.leader import Leader
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.tokenizer import load_tokenizer
+from celerytp.server.metrics import Metrics, RankState
+
+
+def held_by_ranks(leader: Leader, timeout: float = 1.0) -> dict[int, set[str]]:
+    """The models each live rank holds now, asked of the rank workers themselves (the
+    `celerytp_status` remote-control command, answered even while an op runs); a rank with no
+    live worker or no answer is left out."""
+    beats = leader.health()
+    names = [f"celerytp.{leader.group}.rank{rank}@{beat['host']}" for rank, beat in enumerate(beats) if beat]
+    if not names:
+        return {}
+    inspect = leader.app.control.inspect(destination=names, timeout=timeout, limit=len(names))
+    replies = inspect._request("celerytp_status") or {}
+    return {r["rank"]: set(r["models"]) for r in replies.values() if r.get("group") == leader.group and "rank" in r}
+
+
+class Service:
+    """Args:
+    leader: the group's leader client.
+    metrics: where served requests are counted (None: not counted).
+    """
+
+    def __init__(self, leader: Leader, metrics: Metrics | None = None):
+        self.leader = leader
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.watch(RankState(self.stats, lambda: [r is not None for r in leader.health()]))
+
+    def models(self) -> dict[str, dict]:
+        return self.leader.models()
+
+    def loaded(self) -> dict[str, dict]:
+        """The model records every rank confirms it holds now (a record left by workers that
+        restarted is not listed); when some rank cannot answer, the records as they are."""
+        records = self.models()
+        held = held_by_ranks(self.leader)
+        if len(held) < self.leader.world_size:
+            return records
+        return {model: record for model, record in records.items() if all(model in h for h in held.values())}
+
+    def resolve(self, name: str | None) -> str:
+        """The model id a request names (or the one model served, when it names none)."""
+        models = self.models()
+        if name is None:
+            if len(models) != 1:
+                raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'model': required; loaded: {sorted(models)}")
+            return next(iter(models))
+        if name not in models:
+            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {name!r} is not loaded; loaded: {sorted(models)}")
+        return name
+
+    def decoder(self, model_id: str) -> Callable[[list[int]], str]:
+        """Token ids -> text with the model's tokenizer (cached per path)."""
+        return load_tokenizer(self.models()[model_id]["path"]).decode
+
+    def require_ranks(self) -> None:
+        """Refuse at once (rank_lost, naming the ranks) when a rank has no live worker: its
+        request would otherwise wait for a serving loop that cannot run."""
+        dead = [rank for rank, beat in enumerate(self.leader.health()) if beat is None]
+        if dead:
+            raise CeleryTPError(ErrorKind.RANK_LOST, f"no live worker holds rank(s) {dead} of group {self.leader.group!r}")
+
+    def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
+        self.require_ranks()
+        try:
+            result = self.leader.generate(model_id, **options)
+        except CeleryTPError as exc:
+            if exc.kind is ErrorKind.TIMEOUT and options.get("request_id"):
+                self.leader.cancel(options["request_id"])  # nobody waits for it any more
+            raise
+        self.count(model_id, result)
+        return result
+
+    def stream(self, model_id: str, options: dict[str, Any]) -> TokenStream:
+        self.require_ranks()
+        return self.leader.stream(model_id, **options)
+
+    def count(self, model_id: str, result: GenerationResult) -> None:
+        if self.metrics is not None:
+            self.metrics.served(model_id, result.prompt_tokens, result.completion_tokens, result.ttft_s, result.decode_s)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {model: self.leader.serving_stats(model) for model in self.models()}
+
+    def health(self) -> dict[str, Any]:
+        """Each rank's heartbeat; `ok` False names the ranks with no live worker."""
+        beats = self.leader.health()
+        dead = [rank for rank, beat in enumerate(beats) if beat is None]
+        ranks = [{"rank": r, "status": "down" if b is None else "up", **(b or {})} for r, b in enumerate(beats)]
+        return {"ok": not dead, "dead_ranks": dead, "ranks": ranks, "group": self.leader.group}
