@@ -113,7 +113,8 @@ class LocalCluster:
         self.redis_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.broker_url = ""  # holds the private Redis's password: do not print it
-        self._password = secrets.token_urlsafe(24)
+        # Its own password unless the operator names one (to reach the private Redis from outside).
+        self._password = os.environ.get("CELERYTP_LOCAL_REDIS_PASSWORD") or secrets.token_urlsafe(24)
         self.leader: Leader | None = None
 
     # ---- lifecycle --------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_redis_restarted_between_requests(rel):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert leader.generate("smol", **PROMPT).token_ids == expected
-    assert "smol" in leader.models()
+    assert "smol" in leader.held_models() and "smol" in leader.models()
 
 
 def test_a_request_redis_lost_fails_instead_of_waiting_for_its_deadline(rel):

@@ -54,6 +54,9 @@ class Served:
         self.leader = Leader(broker_url, self.group, world_size=2)
 
 
+REDIS_PASSWORD = "served-test-password"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`celerytp serve --tp 2` (embedded: private Redis + 2 rank workers) in a subprocess, once the
@@ -61,7 +64,7 @@ def served(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until teardown
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": ROOT, "CELERYTP_LOCAL_REDIS_PASSWORD": REDIS_PASSWORD}
     args = [sys.executable, "-m", "celerytp", "serve", "--group", "srv", "--tp", "2", "--port", str(port),
             "--api-key", KEY, "--model-id", MODEL, "--max-batch", "4"]
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -74,7 +77,8 @@ def served(tmp_path_factory):
     while not healthy(url):  # the banner comes just before the port opens
         assert time.monotonic() < deadline, "server did not answer"
         time.sleep(0.1)
-    served = Served(url, banner.group(1))
+    assert REDIS_PASSWORD not in log_path.read_text()  # the banner masks it
+    served = Served(url, banner.group(1).replace(":***@", f":{REDIS_PASSWORD}@"))
     workers = [r["pid"] for r in httpx.get(f"{url}/health").json()["ranks"]]
     yield served
     proc.send_signal(signal.SIGINT)

@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import allow_join_result
 
 from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
 from celerytp.client.generation import MODES, GenerationResult, TokenStream, check_spec, finish, prepare, run_steps
@@ -149,7 +150,12 @@ class Leader:
         return replies
 
     def models(self) -> dict[str, dict]:
-        """Models loaded on every rank, as the ranks report them: model_id -> {path, dtype, ...}."""
+        """The group's model records in Redis (by any leader): model_id -> {path, dtype, ...}. A
+        record can outlive what a restarted rank holds; `held_models` asks the ranks."""
+        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(models_key(self.group)).items()}
+
+    def held_models(self) -> dict[str, dict]:
+        """Models every rank holds now, as the ranks report them (a ping): model_id -> its record."""
         pongs = self.ping()
         return {model_id: record for model_id, record in pongs[0].models.items() if all(model_id in p.models for p in pongs)}
 
@@ -252,7 +258,7 @@ class Leader:
         if raw is not None:
             return json.loads(raw)
         holders = read_owners(self.redis, self.group, self.world_size)
-        record = self.models().get(model_id)  # held by every rank's current worker
+        record = self.held_models().get(model_id)
         if record is None:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
         self._keep_record(model_id, record, holders)
@@ -448,7 +454,10 @@ class Leader:
                     raise _RanksLost(lost)
 
         try:
-            return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_interval)
+            # Allowed inside a task (the celerytp.generate front door): the chord runs on the rank
+            # workers, never on the pool that waits for it.
+            with allow_join_result():
+                return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_interval)
         except _RanksLost as exc:
             failures = [RankFailure(r, ErrorKind.RANK_LOST, why) for r, why in sorted(exc.lost.items())]
             raise CeleryTPError.from_failures(op, failures) from None

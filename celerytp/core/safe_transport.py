@@ -6,7 +6,9 @@ base64 text, a content type other than JSON, no task `id` header, or a body that
 Celery task message (args list, kwargs object, embed object) end the worker or loop it through
 endless redeliveries. Here every entry is checked before it is delivered; one that fails is
 logged, copied to the group's dead-letter list (keys: `<queue>.deadletter`, newest first,
-bounded) and dropped, so it is never redelivered. Set with the Celery `broker_transport` option.
+bounded) and dropped, so it is never redelivered. Task queues (a rank's, the front door's) get
+every check; other queues (remote-control replies) only need JSON objects. Set with the Celery
+`broker_transport` option.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ def dead_letter_key(queue: str) -> str:
     return f"{queue}.deadletter"
 
 
-def check_envelope(raw: bytes | str) -> dict[str, Any]:
-    """The decoded envelope of a well-formed Celery JSON task message; MalformedMessage otherwise."""
+def is_task_queue(queue: str) -> bool:
+    """A queue of celerytp task messages: a rank's, or the `celerytp.generate` front door's."""
+    return queue.startswith("celerytp.") and (".rank." in queue or queue.endswith(".requests"))
+
+
+def check_json_object(raw: bytes | str) -> dict[str, Any]:
     if len(raw) > MAX_MESSAGE_BYTES:
         raise MalformedMessage(f"{len(raw)} bytes: more than the {MAX_MESSAGE_BYTES} a message may have")
     try:
@@ -47,6 +53,12 @@ def check_envelope(raw: bytes | str) -> dict[str, Any]:
         raise MalformedMessage(f"not JSON: {exc}") from None
     if not isinstance(envelope, dict):
         raise MalformedMessage(f"envelope is a JSON {type(envelope).__name__}, not an object")
+    return envelope
+
+
+def check_envelope(raw: bytes | str) -> dict[str, Any]:
+    """The decoded envelope of a well-formed Celery JSON task message; MalformedMessage otherwise."""
+    envelope = check_json_object(raw)
     if envelope.get("content-type") not in ALLOWED_CONTENT_TYPES:
         raise MalformedMessage(f"content type {envelope.get('content-type')!r} refused: JSON only, never pickle")
     headers, properties = envelope.get("headers"), envelope.get("properties")
@@ -88,6 +100,8 @@ class Channel(kombu_redis.Channel):
 
     def _checked(self, queue: str, raw: bytes) -> dict[str, Any] | None:
         try:
+            if not is_task_queue(queue):  # remote-control replies and the like: any JSON object
+                return check_json_object(raw)
             return check_envelope(raw)
         except MalformedMessage as exc:
             self._dead_letter(queue, raw, str(exc))
