@@ -136,8 +136,12 @@ class GGUFSource(TensorSource):
         return np.array(part, copy=True)
 
     def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
-        # Copy just this slice out of the memory map, then dequantize it alone.
-        values = gguf.quants.dequantize(self._raw_slice(rows, cols), self._qtype)
+        # Copy just this slice out of the memory map (widened to whole blocks), dequantize it alone.
+        block = self.column_block()
+        wide = None if cols is None else (cols[0] // block * block, -(-cols[1] // block) * block)
+        values = gguf.quants.dequantize(self._raw_slice(rows, wide), self._qtype)
+        if cols is not None:
+            values = values[:, cols[0] - wide[0] : cols[1] - wide[0]]
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         if self._head_dim:
             out = _unpermute_rope_rows(out, self._head_dim)
