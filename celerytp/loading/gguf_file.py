@@ -17,6 +17,7 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
+from celerytp.quant.blocks import dequantize_blocks
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 
@@ -41,6 +42,7 @@ BLOCK_NAMES = {
 }
 # llama.cpp's rope factors for llama3-style scaling; folded into the config, not a weight.
 ROPE_FREQS = "rope_freqs.weight"
+_OWN_CODEC = (gguf.GGMLQuantizationType.Q8_1, gguf.GGMLQuantizationType.Q8_K)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _FLOAT_TYPES = {
     gguf.GGMLQuantizationType.F32: np.float32,
@@ -139,7 +141,11 @@ class GGUFSource(TensorSource):
         # Copy just this slice out of the memory map (widened to whole blocks), dequantize it alone.
         block = self.column_block()
         wide = None if cols is None else (cols[0] // block * block, -(-cols[1] // block) * block)
-        values = gguf.quants.dequantize(self._raw_slice(rows, wide), self._qtype)
+        raw = self._raw_slice(rows, wide)
+        if self._qtype in _OWN_CODEC:  # gguf has no dequantizer for ggml's activation formats
+            values = dequantize_blocks(torch.from_numpy(raw), self._qtype).numpy()
+        else:
+            values = gguf.quants.dequantize(raw, self._qtype)
         if cols is not None:
             values = values[:, cols[0] - wide[0] : cols[1] - wide[0]]
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))

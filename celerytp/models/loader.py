@@ -60,7 +60,7 @@ def load_model(
         )
         loaded = model.load_weights(checkpoint, progress)
         finish_loading(model)
-        model.quant = plan_name(plan)  # the load reply's `quant`
+        model.quant = plan_name(plan, model)  # the load reply's `quant`
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")

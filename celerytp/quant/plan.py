@@ -34,13 +34,18 @@ def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dt
     if plan is not None and model_type not in QUANT_MODEL_TYPES:
         raise CeleryTPError(
             ErrorKind.BAD_REQUEST,
-            f"quant {plan_name(plan)!r} is not supported for model_type {model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})",
+            f"quant {quant or 'of the GGUF file'!r} is not supported for model_type {model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})",
         )
     return plan
 
 
-def plan_name(plan: QuantPlan | None) -> str | None:
-    return None if plan is None else plan.target.name if plan.target else "gguf"
+def plan_name(plan: QuantPlan | None, model: nn.Module | None = None) -> str | None:
+    """The load reply's `quant`: the target format, or for a kept GGUF the types its linears
+    ended up in, most bytes first ("q4_k+q6_k+q5_0"); None for plain weights."""
+    if plan is None or plan.target is not None or model is None:
+        return None if plan is None else plan.target.name if plan.target else "gguf"
+    types = quant_summary(model)[0]
+    return "+".join(sorted(types, key=lambda t: -types[t]["bytes"])) or None
 
 
 def _file_has_blocks(checkpoint: Checkpoint) -> bool:
