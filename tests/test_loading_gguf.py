@@ -27,6 +27,7 @@ from model_fixtures import (
 )
 
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.loading import GGUFCheckpoint, open_checkpoint
 from celerytp.models import ModelConfig
 
@@ -99,3 +100,13 @@ def test_world_size_2_matches_transformers(cases: dict[str, Case], tmp_path: Pat
         assert results["qwen3_f32"].shapes["model.layers.0.mlp.down_proj.weight"] == (64, 48)
         # llama: 3 KV groups -> 2 + 1, so o_proj holds 4 or 2 heads of 32 columns.
         assert results["llama_mixed"].shapes["model.layers.0.self_attn.o_proj.weight"] == (96, 128 if rank == 0 else 64)
+
+
+@pytest.mark.parametrize("name", ["qwen3_q8_0", "llama_mixed"])
+def test_kept_quantized_matches_transformers(cases: dict[str, Case], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant None keeps each linear in the file's type (q8_0, q4_1; the F16 lm_head as float32);
+    the exact kernel reproduces transformers' dequantized weights."""
+    monkeypatch.setenv(KERNEL_ENV, "dequant")
+    case = cases[name]
+    result = run_job(Job(name, str(case.path), case.prompt, quant=None), TPContext())
+    assert_matches(result.greedy, case.reference, name)
