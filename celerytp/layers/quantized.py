@@ -273,7 +273,7 @@ def dequantize_layout(
 
 def run_kernel(kernel: str, b: dict[str, torch.Tensor | None], x: torch.Tensor, n: int) -> torch.Tensor:
     """y (M, n) = x (M, K) W^T with a torch weight-only kernel (bfloat16 activations)."""
-    xb = x.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16).contiguous()  # the kernels read rows densely
     if kernel == "int8pack":
         y = torch.ops.aten._weight_int8pack_mm(xb, b["q"], b["scale"])
     elif x.device.type == "cpu":
