@@ -20,6 +20,14 @@ from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSou
 from celerytp.quant.blocks import dequantize_blocks
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
+# Hybrid architectures gguf names but this reader does not translate: llama.cpp's converter
+# rewrites their tensors (what a reader would have to undo), so they load from safetensors only.
+HYBRID_GGUF_MISSING = (
+    "ssm_in/ssm_ba (or ssm_beta/ssm_alpha) rows back into in_proj_qkvz/ba order, ssm_a = -exp(A_log) back to "
+    "A_log, ssm_conv1d's layout, attn_q + attn_gate back into the gated q_proj, stacked ffn_*_exps experts, "
+    "norm weights stored with +1, and the ssm.* / full_attention_interval metadata as a config"
+)
+HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 
 # GGUF tensor name stem -> Hugging Face module name.
 GLOBAL_NAMES = {
@@ -207,6 +215,13 @@ class GGUFCheckpoint(Checkpoint):
 
     def _hf_config(self) -> dict[str, Any]:
         arch = self.metadata("general.architecture")
+        if arch in HYBRID_GGUF_ARCHS:
+            raise CeleryTPError(
+                ErrorKind.UNSUPPORTED_ARCH,
+                f"{self.path}: GGUF architecture {arch!r} is a hybrid (Gated DeltaNet) model whose GGUF layout is not "
+                f"translated; missing: {HYBRID_GGUF_MISSING}. Load its Hugging Face safetensors directory instead "
+                f"(quant applies there).",
+            )
         if arch not in SUPPORTED_ARCHS:
             raise CeleryTPError(
                 ErrorKind.UNSUPPORTED_ARCH,
