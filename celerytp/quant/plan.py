@@ -35,7 +35,8 @@ def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dt
     if plan is not None and model_type not in QUANT_MODEL_TYPES:
         raise CeleryTPError(
             ErrorKind.BAD_REQUEST,
-            f"quant {quant or 'of the GGUF file'!r} is not supported for model_type {model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})",
+            f"{f'quant {quant!r}' if quant else 'a GGUF with quantized weights'} is not supported for model_type "
+            f"{model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})",
         )
     return plan
 
