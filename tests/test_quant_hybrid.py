@@ -106,9 +106,11 @@ def _check(ours: Greedy, ref: Greedy, what: str, exact: bool, moe: bool = False)
     assert torch.equal(ours.prompt_logits.argmax(-1)[clear], ref.prompt_logits.argmax(-1)[clear]), what
 
 
-@pytest.mark.parametrize("kernel", ["dequant", "auto"], indirect=True)
-@pytest.mark.parametrize("quant", list(QUANTS))
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(
+    ("name", "quant", "kernel"),
+    [(n, q, "dequant") for n in CONFIGS for q in QUANTS] + [("qwen3_5", "q4_k", "auto"), ("qwen3_next", "q8_0", "auto")],
+    indirect=["kernel"],
+)
 def test_hybrid_quantized_tp1(checkpoints: dict, name: str, quant: str, kernel: str) -> None:
     path, prompt, refs = checkpoints[name]
     model = load_model(path, TPContext(), quant=quant, max_context=64)

@@ -103,8 +103,9 @@ def _parts(model: Any) -> list[Any]:
     return [p for m in model.modules() if isinstance(m, QuantizedWeight) for p in m.parts]
 
 
-# Every type through the exact kernel; the fast ones (each type's also in test_quant_blocks) on a few.
-CASES = [("llama", q, "dequant") for q in [*GGML, "f16", "bf16"]] + [
+# Requantizing safetensors to a sample of types (every type's codec is checked in
+# test_quant_blocks, every type kept from a GGUF at TP 1-3 in test_quant_gguf).
+CASES = [("llama", q, "dequant") for q in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_0", "q6_k", "q2_k", "f16", "bf16"]] + [
     ("llama", "q4_k", "auto"), ("llama", "q5_k", "auto"), ("llama", "q8_0", "auto"),
     ("qwen3", "q6_k", "dequant"), ("qwen3", "q4_k", "auto"),
 ]
