@@ -25,8 +25,45 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
-          8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    1780,
+    314,
+    260,
+    3575,
+    282,
+    4649,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]
 
 
 def one(path: str, quant: str, threads: int, tokens: int, kernel: str, ref_file: str, repeats: int) -> dict:
@@ -103,10 +140,30 @@ def main() -> None:
     ref = os.path.join(tempfile.mkdtemp(), "f32_logits.pt")
     print(f"model {args.model}, threads {args.threads}, {args.tokens} decode tokens, load avg {os.getloadavg()[0]:.2f}")
     for quant in args.types.split(","):
-        cmd = [sys.executable, __file__, "--model", args.model, "--threads", str(args.threads), "--tokens",
-               str(args.tokens), "--kernel", args.kernel, "--one", quant, "--ref", ref, "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--model",
+            args.model,
+            "--threads",
+            str(args.threads),
+            "--tokens",
+            str(args.tokens),
+            "--kernel",
+            args.kernel,
+            "--one",
+            quant,
+            "--ref",
+            ref,
+            "--repeats",
+            str(args.repeats),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
-        line = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else f"{quant}: failed: {out.stderr.strip().splitlines()[-1]}"
+        line = (
+            out.stdout.strip().splitlines()[-1]
+            if out.returncode == 0
+            else f"{quant}: failed: {out.stderr.strip().splitlines()[-1]}"
+        )
         print(line, flush=True)
 
 

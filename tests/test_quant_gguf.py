@@ -24,12 +24,30 @@ from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.models import load_model
 from celerytp.quant.plan import quant_summary
 
-TYPES = {"q8_0": T.Q8_0, "q8_1": T.Q8_1, "q8_k": T.Q8_K, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0,
-         "q5_1": T.Q5_1, "q2_k": T.Q2_K, "q3_k": T.Q3_K, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+TYPES = {
+    "q8_0": T.Q8_0,
+    "q8_1": T.Q8_1,
+    "q8_k": T.Q8_K,
+    "q4_0": T.Q4_0,
+    "q4_1": T.Q4_1,
+    "q5_0": T.Q5_0,
+    "q5_1": T.Q5_1,
+    "q2_k": T.Q2_K,
+    "q3_k": T.Q3_K,
+    "q4_k": T.Q4_K,
+    "q5_k": T.Q5_K,
+    "q6_k": T.Q6_K,
+}
 # 6 query heads of 128 over 3 KV heads: o_proj's 768 inputs are 3 super-blocks, whole per rank at
 # TP 3 and 384 (not whole) at TP 2; intermediate 768 splits 512/256 at TP 2, 256 each at TP 3.
-LLAMA = dict(hidden_size=768, num_attention_heads=6, num_key_value_heads=3, head_dim=128, intermediate_size=768,
-             tie_word_embeddings=False)
+LLAMA = dict(
+    hidden_size=768,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    head_dim=128,
+    intermediate_size=768,
+    tie_word_embeddings=False,
+)
 EXACT_ATOL = 1e-4  # float32 logits of O(1..10)
 # max |logit error| / max |logit| of the fast kernels on this random model (chaotic enough that
 # plain bfloat16 inference is off by 0.024-0.032): int4pack keeps the codes (measured 0.015 for
@@ -62,7 +80,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Gre
     mixed = _model(MIXED, seed=4)
     out["mixed"] = write_gguf(mixed, root / "mixed.gguf", Q4_K_M)
     prompt = make_prompt(COMMON["vocab_size"], 10)
-    return {n: (p, our_greedy(load_model(p, TPContext(), quant="f32", max_context=32), prompt, STEPS)) for n, p in out.items()}
+    return {
+        n: (p, our_greedy(load_model(p, TPContext(), quant="f32", max_context=32), prompt, STEPS))
+        for n, p in out.items()
+    }
 
 
 def _check(ours: Greedy, ref: Greedy, what: str, exact: bool, int4: bool = False) -> None:
@@ -89,12 +110,15 @@ def test_every_type_kept_at_tp1(files: dict, monkeypatch: pytest.MonkeyPatch) ->
         types, fallbacks = quant_summary(model)
         assert model.quant == name and set(types) == {name} and not fallbacks
         assert types[name]["tensors"] == 7 * COMMON["num_hidden_layers"] + 1  # q k v o gate up down, lm_head
-        _check(our_greedy(model, make_prompt(COMMON["vocab_size"], 10), STEPS), ref, name, exact=False, int4=name in INT4)
+        _check(
+            our_greedy(model, make_prompt(COMMON["vocab_size"], 10), STEPS), ref, name, exact=False, int4=name in INT4
+        )
 
 
 @pytest.mark.parametrize(("world", "kernel"), [(2, "auto"), (3, "dequant")])
-def test_every_type_kept_with_tp(files: dict, world: int, kernel: str, tmp_path: Path,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_type_kept_with_tp(
+    files: dict, world: int, kernel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every rank's slices are whole blocks here (TP 2 splits the 3 KV groups 2 + 1, so o_proj
     512 + 256 columns, the MLP 512 + 256); TP 3 runs the exact kernel. The mixed file at TP 2
     adds fallbacks (see below)."""
@@ -104,17 +128,33 @@ def test_every_type_kept_with_tp(files: dict, world: int, kernel: str, tmp_path:
     jobs = [Job(n, str(files[n][0]), prompt, steps=STEPS, max_context=32, quant=None) for n in names]
     results = run_ranks(world, jobs, tmp_path)
     for name in names:
-        _check(results[0][name].greedy, files[name][1], f"TP{world} {name}", exact=kernel == "dequant", int4=name in INT4)
+        _check(
+            results[0][name].greedy, files[name][1], f"TP{world} {name}", exact=kernel == "dequant", int4=name in INT4
+        )
 
 
 # ---- a Q4_K_M-style mix -------------------------------------------------------------------------------
 
 # Hidden 320 is not whole 256-element super-blocks, so (as llama.cpp's Q4_K_M of SmolLM2 does)
 # tensors reading the hidden state are q5_0 / q8_0 in the file; those reading 256 or 512 are K-quants.
-MIXED = dict(hidden_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
-             tie_word_embeddings=False)
-Q4_K_M = {"attn_output": T.Q4_K, "blk.0.ffn_down": T.Q6_K, "blk.1.ffn_down": T.Q4_K, "attn_v": T.Q8_0,
-          "attn_": T.Q5_0, "ffn_": T.Q5_0, "output": T.Q8_0, "token_embd": T.Q8_0}
+MIXED = dict(
+    hidden_size=320,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    tie_word_embeddings=False,
+)
+Q4_K_M = {
+    "attn_output": T.Q4_K,
+    "blk.0.ffn_down": T.Q6_K,
+    "blk.1.ffn_down": T.Q4_K,
+    "attn_v": T.Q8_0,
+    "attn_": T.Q5_0,
+    "ffn_": T.Q5_0,
+    "output": T.Q8_0,
+    "token_embd": T.Q8_0,
+}
 
 
 def test_q4_k_m_mix_keeps_each_tensors_type(files: dict) -> None:

@@ -31,14 +31,29 @@ from celerytp.quant import dequantize_blocks, quantize_blocks
 from celerytp.quant.plan import quant_summary
 
 WIDE: dict[str, Any] = dict(
-    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
 )
 CONFIGS = {
     # MoE on layers 0 and 2 (4 experts of 256, a shared expert of 256), dense MLP on layer 1.
-    "qwen3_next": ("qwen3_next", WIDE | dict(intermediate_size=512, mlp_only_layers=[1], num_experts=4,
-                                             num_experts_per_tok=2, moe_intermediate_size=256,
-                                             shared_expert_intermediate_size=256)),
+    "qwen3_next": (
+        "qwen3_next",
+        WIDE
+        | dict(
+            intermediate_size=512,
+            mlp_only_layers=[1],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=256,
+        ),
+    ),
     "qwen3_5": ("qwen3_5", WIDE | dict(intermediate_size=512, tie_word_embeddings=False)),
 }
 QUANTS = {"q8_0": T.Q8_0, "q4_k": T.Q4_K}
@@ -47,8 +62,16 @@ EXACT_ATOL = 2e-4
 MARGIN = 0.5
 STEPS = 3
 # Checkpoint tensors `quant` applies to (2-D): the router (`mlp.gate`) and `shared_expert_gate` stay float.
-QUANTIZED = ("_proj.weight", "in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight", "in_proj_z.weight",
-             "in_proj_b.weight", "in_proj_a.weight", "lm_head.weight")
+QUANTIZED = (
+    "_proj.weight",
+    "in_proj_qkvz.weight",
+    "in_proj_ba.weight",
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
+    "lm_head.weight",
+)
 
 
 def _dequantized_copy(src: Path, dst: Path, qtype: T) -> None:
@@ -108,7 +131,8 @@ def _check(ours: Greedy, ref: Greedy, what: str, exact: bool, moe: bool = False)
 
 @pytest.mark.parametrize(
     ("name", "quant", "kernel"),
-    [(n, q, "dequant") for n in CONFIGS for q in QUANTS] + [("qwen3_5", "q4_k", "auto"), ("qwen3_next", "q8_0", "auto")],
+    [(n, q, "dequant") for n in CONFIGS for q in QUANTS]
+    + [("qwen3_5", "q4_k", "auto"), ("qwen3_next", "q8_0", "auto")],
     indirect=["kernel"],
 )
 def test_hybrid_quantized_tp1(checkpoints: dict, name: str, quant: str, kernel: str) -> None:
@@ -131,11 +155,19 @@ def test_hybrid_quantized_tp1(checkpoints: dict, name: str, quant: str, kernel: 
 def test_hybrid_quantized_tp2(checkpoints: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """q8_0's 32-blocks fit every slice here, so the exact kernel matches the reference."""
     monkeypatch.setenv(KERNEL_ENV, "dequant")  # spawned ranks inherit it
-    jobs = [Job(name, str(path), prompt, steps=STEPS, max_context=64, quant="q8_0") for name, (path, prompt, _) in checkpoints.items()]
+    jobs = [
+        Job(name, str(path), prompt, steps=STEPS, max_context=64, quant="q8_0")
+        for name, (path, prompt, _) in checkpoints.items()
+    ]
     results = run_ranks(2, jobs, tmp_path)
     for job in jobs:
         _check(results[0][job.name].greedy, checkpoints[job.name][2]["q8_0"], f"TP2 {job.name}", exact=True)
-    types, fallbacks = quant_summary(load_model(checkpoints["qwen3_next"][0], TPContext(1, 2), quant="q4_k", max_context=64))
+    types, fallbacks = quant_summary(
+        load_model(checkpoints["qwen3_next"][0], TPContext(1, 2), quant="q4_k", max_context=64)
+    )
     assert set(types) == {"q4_k", "q5_0"}
-    assert "model.layers.0.linear_attn.out_proj.weight: q4_k -> q5_0 (columns 128:256 are not whole 256-blocks)" in fallbacks
+    assert (
+        "model.layers.0.linear_attn.out_proj.weight: q4_k -> q5_0 (columns 128:256 are not whole 256-blocks)"
+        in fallbacks
+    )
     assert any(f.startswith("model.layers.0.mlp.experts.3.down_proj.weight: q4_k -> q5_0") for f in fallbacks)

@@ -45,7 +45,8 @@ class SwiGLUMLP(nn.Module):
         quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
-        local = split_intermediate(tp.rank, tp.world_size, intermediate_size, mlp_block(1, quant, intermediate_size, tp.world_size))
+        block = mlp_block(1, quant, intermediate_size, tp.world_size)
+        local = split_intermediate(tp.rank, tp.world_size, intermediate_size, block)
         common = {"dtype": dtype, "device": device, "bias": False, "quant": quant}
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, intermediate_size, local, ("gate_proj", "up_proj"), **common
@@ -87,8 +88,9 @@ class RoutedExperts(nn.Module):
         if quant:
             shape13 = shape2 = (0,)
             common = {"dtype": dtype, "device": device}
-            self.q13 = nn.ModuleList(QuantizedWeight(quant, 2 * self.local, hidden_size, **common) for _ in range(num_experts))
-            self.q2 = nn.ModuleList(QuantizedWeight(quant, hidden_size, self.local, **common) for _ in range(num_experts))
+            experts = range(num_experts)
+            self.q13 = nn.ModuleList(QuantizedWeight(quant, 2 * self.local, hidden_size, **common) for _ in experts)
+            self.q2 = nn.ModuleList(QuantizedWeight(quant, hidden_size, self.local, **common) for _ in experts)
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype, device=device), requires_grad=False)
         for p in (self.w13, self.w2):

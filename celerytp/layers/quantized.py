@@ -102,7 +102,11 @@ class QuantizedWeight(nn.Module):
         else:
             value = source.read_blocks(fmt.ggml_type, rows, cols).to(self.device)
         expected = stop - start if fmt.float_dtype is not None else (stop - start) // fmt.block_size * fmt.type_size
-        if stop - start != self.in_features or value.shape[1] != expected or row_offset + value.shape[0] > self.out_features:
+        if (
+            stop - start != self.in_features
+            or value.shape[1] != expected
+            or row_offset + value.shape[0] > self.out_features
+        ):
             raise CeleryTPError(
                 ErrorKind.LOAD_FAILED,
                 f"{source.name}: slice {tuple(value.shape)} does not fit rows {row_offset}: of ({self.out_features}, {self.in_features})",
@@ -126,7 +130,10 @@ class QuantizedWeight(nn.Module):
                 runs.append(s)
         self._staged = []
         if runs[-1].start + runs[-1].data.shape[0] != self.out_features:
-            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{runs[-1].names}: only {runs[-1].start + runs[-1].data.shape[0]} of {self.out_features} rows loaded")
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED,
+                f"{runs[-1].names}: only {runs[-1].start + runs[-1].data.shape[0]} of {self.out_features} rows loaded",
+            )
         for run in runs:
             self.parts.append(_Part(run.fmt, run.data, run.names, self.dtype, self.sharded))
 
@@ -149,7 +156,9 @@ class QuantizedWeight(nn.Module):
 class _Part(nn.Module):
     """Consecutive output rows of a QuantizedWeight in one format and kernel layout."""
 
-    def __init__(self, fmt: QuantFormat, data: torch.Tensor, names: list[str], dtype: torch.dtype, sharded: bool) -> None:
+    def __init__(
+        self, fmt: QuantFormat, data: torch.Tensor, names: list[str], dtype: torch.dtype, sharded: bool
+    ) -> None:
         super().__init__()
         self.fmt, self.names, self.rows = fmt, names, data.shape[0]
         if fmt.float_dtype is not None:
@@ -182,10 +191,14 @@ class _Part(nn.Module):
             return run_kernel(self.kernel, self._buffers, x2, self.rows)
         step = max(1, TILE_ELEMENTS // self.in_features)
         if step >= self.rows:
-            return F.linear(x2, dequantize_layout(self._buffers, self.offset, self.group, self.in_features).to(x2.dtype))
+            return F.linear(
+                x2, dequantize_layout(self._buffers, self.offset, self.group, self.in_features).to(x2.dtype)
+            )
         tiles = []
         for r in range(0, self.rows, step):
-            w = dequantize_layout(self._buffers, self.offset, self.group, self.in_features, (r, min(r + step, self.rows)))
+            w = dequantize_layout(
+                self._buffers, self.offset, self.group, self.in_features, (r, min(r + step, self.rows))
+            )
             tiles.append(F.linear(x2, w.to(x2.dtype)))
         return torch.cat(tiles, dim=-1)
 
@@ -219,7 +232,9 @@ def _probe(kernel: str, qtype: GGMLQuantizationType, device: str) -> bool:
         return False
     err = float((y - ref).abs().max() / ref.abs().max())
     if err > PROBE_RTOL:
-        log.warning("quant kernel %s for %s on %s is off by %.3g (relative); using dequant", kernel, qtype.name, device, err)
+        log.warning(
+            "quant kernel %s for %s on %s is off by %.3g (relative); using dequant", kernel, qtype.name, device, err
+        )
         return False
     return True
 
@@ -231,7 +246,11 @@ def make_layout(kernel: str, u: Unpacked) -> dict[str, torch.Tensor | None]:
         q = u.q
         if q.dtype == torch.uint8 and int(q.max()) < 16 and K % 2 == 0:  # two codes per byte
             q = q[:, 0::2] | (q[:, 1::2] << 4)
-        return {"q": q.contiguous(), "scale": u.scale.contiguous(), "zero": None if u.zero is None else u.zero.contiguous()}
+        return {
+            "q": q.contiguous(),
+            "scale": u.scale.contiguous(),
+            "zero": None if u.zero is None else u.zero.contiguous(),
+        }
     if kernel == "int8pack":
         # One scale per row, max|w| / 127 (a q8_0 row's widest block keeps its codes).
         w = u.dequantize()  # (N, K)

@@ -301,7 +301,9 @@ def _q3_k(x: torch.Tensor) -> torch.Tensor:
     hmask = _pack_bits((u >> 2).reshape(R, nb, 8, 32), 1)
     qs = _pack_bits((u & 3).reshape(R, nb, 2, 4, 32), 2).reshape(R, nb, 64)
     sc6 = (sc + 32).to(torch.uint8)  # (R, nb, 16)
-    scales = torch.cat([_pack_bits((sc6 & 0x0F).unflatten(-1, (2, 8)), 4), _pack_bits((sc6 >> 4).unflatten(-1, (4, 4)), 2)], -1)
+    scales = torch.cat(
+        [_pack_bits((sc6 & 0x0F).unflatten(-1, (2, 8)), 4), _pack_bits((sc6 >> 4).unflatten(-1, (4, 4)), 2)], -1
+    )
     return torch.cat([hmask, qs, scales, _f16_bytes(d)], dim=-1)
 
 
@@ -330,6 +332,16 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
 
 
 _QUANTIZERS = {
-    T.Q8_0: _q8_0, T.Q8_1: _q8_1, T.Q8_K: _q8_k, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1,
-    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.Q8_0: _q8_0,
+    T.Q8_1: _q8_1,
+    T.Q8_K: _q8_k,
+    T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
 }

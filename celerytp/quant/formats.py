@@ -94,7 +94,9 @@ class QuantPlan:
 
     target: QuantFormat | None = None
 
-    def format_for(self, file_type: GGMLQuantizationType | None, dtype: torch.dtype, start: int, size: int) -> tuple[QuantFormat, str | None]:
+    def format_for(
+        self, file_type: GGMLQuantizationType | None, dtype: torch.dtype, start: int, size: int
+    ) -> tuple[QuantFormat, str | None]:
         """The format of one rank's slice (columns start:start+size of each row) and, when that is
         not the wanted one because its blocks do not fit, why (a fallback to report)."""
         wanted = self.target or (QuantFormat.of_type(file_type) if file_type is not None else None)
@@ -105,7 +107,10 @@ class QuantPlan:
             fmt = QuantFormat.of(FALLBACK.get(fmt.name, DTYPE_FORMATS[dtype]))
         if fmt is wanted:
             return fmt, None
-        return fmt, f"{wanted.name} -> {fmt.name} (columns {start}:{start + size} are not whole {wanted.block_size}-blocks)"
+        return (
+            fmt,
+            f"{wanted.name} -> {fmt.name} (columns {start}:{start + size} are not whole {wanted.block_size}-blocks)",
+        )
 
 
 def parse_quant(name: str) -> QuantFormat:

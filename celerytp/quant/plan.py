@@ -15,8 +15,16 @@ from celerytp.quant.formats import QuantFormat, QuantPlan, parse_quant
 
 # Architectures whose every linear takes BuildOptions.quant (others would silently ignore it).
 QUANT_MODEL_TYPES = ("llama", "qwen3", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-_LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight", "in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight",
-                    "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+_LINEAR_SUFFIXES = (
+    "_proj.weight",
+    "lm_head.weight",
+    "in_proj_qkvz.weight",
+    "in_proj_ba.weight",
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
+)
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
