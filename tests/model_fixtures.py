@@ -247,6 +247,17 @@ def llama3_rope_factors(theta: float, head_dim: int, rope: dict[str, Any]) -> np
     return np.array(out, dtype=np.float32)
 
 
+def _quantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """gguf's quantizer; the project's for the K-quants gguf cannot write (checked against gguf's
+    dequantizer in test_quant_blocks)."""
+    try:
+        return gguf.quants.quantize(data, qtype)
+    except NotImplementedError:
+        from celerytp.quant import quantize_blocks
+
+        return quantize_blocks(torch.from_numpy(data), qtype).numpy()
+
+
 def write_gguf(
     model: Any,
     path: Path,
@@ -282,7 +293,7 @@ def write_gguf(
         gname = gguf_name(name)
         qtype = next((q for key, q in (quant or {}).items() if key in gname), None)
         if qtype is not None and data.ndim == 2:
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gname, _quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
     w.write_header_to_file()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from model_fixtures import (
     GGUF_CONFIGS,
@@ -26,7 +27,9 @@ from model_fixtures import (
     write_gguf,
 )
 
+from celerytp.core.errors import CeleryTPError
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.loading import GGUFCheckpoint, open_checkpoint
 from celerytp.models import ModelConfig
 
@@ -99,3 +102,29 @@ def test_world_size_2_matches_transformers(cases: dict[str, Case], tmp_path: Pat
         assert results["qwen3_f32"].shapes["model.layers.0.mlp.down_proj.weight"] == (64, 48)
         # llama: 3 KV groups -> 2 + 1, so o_proj holds 4 or 2 heads of 32 columns.
         assert results["llama_mixed"].shapes["model.layers.0.self_attn.o_proj.weight"] == (96, 128 if rank == 0 else 64)
+
+
+@pytest.mark.parametrize("name", ["qwen3_q8_0", "llama_mixed"])
+def test_kept_quantized_matches_transformers(cases: dict[str, Case], name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quant None keeps each linear in the file's type (q8_0, q4_1; the F16 lm_head as float32);
+    the exact kernel reproduces transformers' dequantized weights."""
+    monkeypatch.setenv(KERNEL_ENV, "dequant")
+    case = cases[name]
+    result = run_job(Job(name, str(case.path), case.prompt, quant=None), TPContext())
+    assert_matches(result.greedy, case.reference, name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_hybrid_gguf_is_unsupported_arch_naming_what_is_missing(tmp_path: Path, arch: str) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CeleryTPError) as err:
+        open_checkpoint(path)
+    assert err.value.kind == "unsupported_arch"
+    assert arch in err.value.message and "ssm_a" in err.value.message and "safetensors" in err.value.message

@@ -30,7 +30,8 @@ from celerytp.core.model_files import default_model_path
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV, QuantizedWeight
 from celerytp.models import load_model
-from celerytp.quant import quantize_blocks, unpack_blocks
+from celerytp.quant import dequantize_blocks, quantize_blocks, unpack_blocks
+from celerytp.quant.plan import quant_summary
 
 # Dims that are whole Q4_K super-blocks (256) as well as 32-blocks.
 K_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -45,7 +46,14 @@ K_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
              tie_word_embeddings=True),
     ),
 }
-GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K}
+GGML = {"q8_0": T.Q8_0, "q8_1": T.Q8_1, "q8_k": T.Q8_K, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0,
+        "q5_1": T.Q5_1, "q2_k": T.Q2_K, "q3_k": T.Q3_K, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+INT4 = ("q4_0", "q4_1", "q4_k")
+# Stored bytes / float32 bytes of the linears: fast layouts (int4: 4 bits + bf16 scale and zero per
+# 32; int8: a byte + a row scale) and the exact one (codes, 4-bit ones packed, + float32 terms per group).
+FAST_RATIO = {"f16": 0.5, "bf16": 0.5} | {q: 0.18 if q in INT4 else 0.26 for q in GGML}
+EXACT_RATIO = {"q8_0": 0.282, "q8_1": 0.282, "q8_k": 0.255, "q4_0": 0.157, "q4_1": 0.188, "q4_k": 0.188, "q5_0": 0.282,
+               "q5_1": 0.313, "q5_k": 0.313, "q6_k": 0.313, "q2_k": 0.251, "q3_k": 0.188, "f16": 0.5, "bf16": 0.5}
 STEPS = 6
 FAST_RTOL = 0.05  # fast kernels: max |logit error| / max |logit|; plain bfloat16 inference of these models is off by 0.02
 SMOL_FAST_ATOL = 8.0  # SmolLM2 logits (max ~35) after 30 layers of bfloat16-precision matmuls
@@ -69,7 +77,7 @@ def _quantized_reference(model: Any, quant: str) -> Any:
                 continue
             w = p.detach().numpy()
             if quant in GGML:
-                back = gguf.quants.dequantize(quantize_blocks(p, GGML[quant]).numpy(), GGML[quant])
+                back = dequantize_blocks(quantize_blocks(p, GGML[quant]), GGML[quant]).numpy()  # gguf's, bit for bit
             else:
                 back = torch.from_numpy(w).to({"f16": torch.float16, "bf16": torch.bfloat16}[quant]).float().numpy()
             p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
@@ -91,12 +99,20 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Pa
     return out
 
 
-@pytest.mark.parametrize("kernel", ["dequant", "auto"], indirect=True)
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_1", "q4_k", "f16", "bf16"])
-@pytest.mark.parametrize("arch", list(K_CONFIGS))
+def _parts(model: Any) -> list[Any]:
+    return [p for m in model.modules() if isinstance(m, QuantizedWeight) for p in m.parts]
+
+
+# Requantizing safetensors to a sample of types (every type's codec is checked in
+# test_quant_blocks, every type kept from a GGUF at TP 1-3 in test_quant_gguf).
+CASES = [("llama", q, "dequant") for q in ["q8_0", "q4_0", "q4_1", "q4_k", "q5_0", "q6_k", "q2_k", "f16", "bf16"]] + [
+    ("llama", "q4_k", "auto"), ("llama", "q5_k", "auto"), ("llama", "q8_0", "auto"),
+    ("qwen3", "q6_k", "dequant"), ("qwen3", "q4_k", "auto"),
+]
+
+
+@pytest.mark.parametrize(("arch", "quant", "kernel"), CASES, indirect=["kernel"])
 def test_quant_on_each_architecture(hf_dirs: dict, arch: str, quant: str, kernel: str) -> None:
-    if kernel == "auto" and quant in ("f16", "bf16"):
-        pytest.skip("float formats have one kernel")
     model, path = hf_dirs[arch]
     prompt = make_prompt(COMMON["vocab_size"], 8)
     ref = hf_greedy(_quantized_reference(model, quant), prompt, STEPS)
@@ -104,22 +120,21 @@ def test_quant_on_each_architecture(hf_dirs: dict, arch: str, quant: str, kernel
     qweights = [m for m in ours_model.modules() if isinstance(m, QuantizedWeight)]
     untied = not model.config.tie_word_embeddings
     assert len(qweights) == 4 * COMMON["num_hidden_layers"] + untied  # qkv, o, gate_up, down (+ lm_head)
+    assert ours_model.quant == quant and all(len(m.parts) == 1 and not m.fallbacks for m in qweights)
     ours = our_greedy(ours_model, prompt, STEPS)
     exact = kernel == "dequant" or quant in ("f16", "bf16")
     if exact:
-        assert {m.kernel for m in qweights} <= {"dequant", "float"}
+        assert {p.kernel for p in _parts(ours_model)} <= {"dequant", "float"}
         assert_matches(ours, ref, f"{arch} {quant}", atol=1e-4)
     else:
-        assert {m.kernel for m in qweights} == {"int8pack" if quant == "q8_0" else "int4pack"}
+        assert {p.kernel for p in _parts(ours_model)} == {"int4pack" if quant in INT4 else "int8pack"}
         scale = ref.prompt_logits.abs().max()
         err = (ours.prompt_logits - ref.prompt_logits).abs().max() / scale
         assert err < FAST_RTOL, f"{arch} {quant}: prompt logits off by {err:.3g} of max"
         assert ours.tokens[:4] == ref.tokens[:4]
     stored = sum(b.nbytes for m in qweights for b in m.buffers())
     as_float32 = sum(4 * m.out_features * m.in_features for m in qweights)
-    ratio = {"q8_0": 0.30, "q4_0": 0.18, "q4_1": 0.18, "q4_k": 0.18, "f16": 0.5, "bf16": 0.5}[quant]
-    if kernel == "dequant" and quant.startswith("q4"):
-        ratio = 0.1875 + 0.0625 * (quant != "q4_0")  # float32 scale (and zero) per 32 weights
+    ratio = (EXACT_RATIO if kernel == "dequant" else FAST_RATIO)[quant]
     assert stored <= ratio * as_float32, stored / as_float32
 
 
@@ -131,19 +146,25 @@ def test_quant_f32_is_the_plain_model(hf_dirs: dict) -> None:
 
 def test_bad_quant_is_refused_before_reading(hf_dirs: dict) -> None:
     _, path = hf_dirs["qwen3"]
-    for quant, phrase in [("q5_k", "cannot execute"), ("q7", "unknown quant")]:
+    for quant in ("q7", "iq4_nl", "int8"):
         with pytest.raises(CeleryTPError) as err:
             load_model(path, TPContext(), quant=quant)
-        assert err.value.kind == "bad_request" and phrase in err.value.message
+        assert err.value.kind == "bad_request" and "unknown quant" in err.value.message and "q6_k" in err.value.message
 
 
-def test_split_that_cuts_a_block_is_load_failed(hf_dirs: dict) -> None:
-    """o_proj at TP 2 gets 2 heads x 64 = 128 input columns: not whole Q4_K blocks of 256."""
+def test_split_that_cuts_a_block_falls_back(hf_dirs: dict) -> None:
+    """o_proj at TP 2 gets 2 heads x 64 = 128 input columns: not whole Q4_K blocks of 256, so
+    that tensor is kept as q5_0 (llama.cpp's choice) and reported; the rest stays q4_k."""
     _, path = hf_dirs["llama"]
-    with pytest.raises(CeleryTPError) as err:
-        load_model(path, TPContext(1, 2), quant="q4_k")
-    assert err.value.kind == "load_failed"
-    assert "128:256 of 256" in err.value.message and "256" in err.value.message
+    for rank in range(2):
+        shard = load_model(path, TPContext(rank, 2), quant="q4_k", max_context=16)
+        types, fallbacks = quant_summary(shard)
+        layers = COMMON["num_hidden_layers"]
+        assert types["q5_0"]["tensors"] == layers and types["q4_k"]["tensors"] == 6 * layers + 1
+        assert len(fallbacks) == layers
+        lo = rank * 128
+        assert fallbacks[0] == f"model.layers.0.self_attn.o_proj.weight: q4_k -> q5_0 (columns {lo}:{lo + 128} are not whole 256-blocks)"
+        assert shard.model.layers[0].self_attn.o_proj.qweight.parts[0].fmt.name == "q5_0"
 
 
 # ---- GGUF kept quantized, with TP ------------------------------------------------------------
@@ -165,7 +186,7 @@ def test_gguf_slices_raw_blocks_per_rank(tmp_path: Path, monkeypatch: pytest.Mon
         down = shard.model.layers[1].mlp.down_proj
         start, size = down.start, down.local_size  # 128 intermediate columns each: 4 blocks
         assert (start, size) == (rank * 128, 128)
-        qw = down.qweight
+        (qw,) = down.qweight.parts
         assert qw.fmt.name == "q4_1" and qw.kernel in ("int4pack", "dequant")
         nbytes = lambda cols: cols // 32 * 20  # noqa: E731
         expected = raw["blk.1.ffn_down.weight"][:, nbytes(start) : nbytes(start + size)]
@@ -189,7 +210,7 @@ def _rank_entry(rank: int, world: int, init_file: str, path: str, prompt: list[i
         g = our_greedy(model, prompt, steps)
         model.clear_cache()
         forced = model.forward_tokens(torch.tensor(prompt + forced_tokens), 0)  # (T, V), for teacher forcing
-        kernels = sorted({m.kernel for m in model.modules() if isinstance(m, QuantizedWeight)})
+        kernels = sorted({p.kernel for m in model.modules() if isinstance(m, QuantizedWeight) for p in m.parts})
         dist.destroy_process_group()
         torch.save({"greedy": (g.prompt_logits, g.step_logits, g.tokens), "kernels": kernels, "forced": forced,
                     "memory": model.memory_report()}, out)

@@ -163,7 +163,9 @@ class Loaded(Reply):
     model_id: str
     model_type: str
     dtype: str
-    quant: str | None = None
+    quant: str | None = None  # the load's format for every linear, "gguf" (each tensor its file type), None: plain
+    quant_types: dict[str, dict[str, int]] = Field(default_factory=dict)  # this rank: type -> {"tensors", "bytes"}
+    quant_fallbacks: list[str] = Field(default_factory=list)  # "<tensor>: q4_k -> q5_0 (why)" on this rank
     vocab_size: int
     max_context: int
     max_batch: int

@@ -21,9 +21,11 @@ from celerytp.layers.hybrid_norm import GatedRMSNorm
 from celerytp.layers.kv_cache import CacheSlots
 from celerytp.layers.linear import RowParallelLinear
 from celerytp.layers.partition import HeadShard, split_linear_heads
+from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.recurrent_state import RecurrentState
 from celerytp.layers.weights import check_shape, copy_into
 from celerytp.loading.checkpoint import TensorSource
+from celerytp.quant.formats import QuantPlan
 
 Piece = tuple[int, int, int]  # (checkpoint row start, rows, local row start)
 
@@ -154,7 +156,14 @@ class GatedDeltaNet(nn.Module):
     """
 
     def __init__(
-        self, dims: GatedDeltaNetDims, tp: TPContext, rows: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        dims: GatedDeltaNetDims,
+        tp: TPContext,
+        rows: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         heads = split_linear_heads(tp.rank, tp.world_size, dims.num_value_heads, dims.num_key_heads)
@@ -165,7 +174,11 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = dims.chunk_size
         common = {"dtype": dtype, "device": device}
         # Submodules named as the checkpoint's, so parameters read `in_proj.weight`, `conv1d.weight`.
-        self.in_proj = WeightHolder(_param(layout.proj_size, dims.hidden_size, **common), self._load_in_proj)
+        # quant: the projections (in_proj, out_proj) are kept quantized; conv1d, A_log, dt_bias and
+        # the norm are a few thousand numbers that stay float.
+        shape = (0,) if quant else (layout.proj_size, dims.hidden_size)
+        self.in_proj = WeightHolder(_param(*shape, **common), self._load_in_proj)
+        self.in_proj.qweight = QuantizedWeight(quant, layout.proj_size, dims.hidden_size, **common) if quant else None
         self.conv1d = WeightHolder(_param(layout.conv_dim, 1, dims.conv_kernel, **common), self._load_conv)
         self.A_log = _param(self.num_v, **common)
         self.A_log.weight_loader = self._load_per_head
@@ -174,7 +187,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dims.value_head_dim, dims.eps, **common)
         self.out_proj = RowParallelLinear(
             dims.num_value_heads * self.hv, dims.hidden_size, (heads.q_start * self.hv, layout.value_dim), tp,
-            bias=False, **common,
+            bias=False, quant=quant, **common,
         )  # fmt: skip
         self.state = RecurrentState(rows, layout.conv_dim, dims.conv_kernel - 1, self.num_v, self.hk, self.hv, **common)
         self.split_sizes = [layout.conv_dim, layout.value_dim, self.num_v, self.num_v]
@@ -186,7 +199,12 @@ class GatedDeltaNet(nn.Module):
         if pieces is None:
             known = list(self.layout.proj_pieces)
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{source.name}: no projection {shard_id!r} in {known}")
-        load_pieces(param, source, pieces, (self.layout.proj_totals[shard_id], self.dims.hidden_size))
+        full = (self.layout.proj_totals[shard_id], self.dims.hidden_size)
+        if self.in_proj.qweight is None:
+            return load_pieces(param, source, pieces, full)
+        check_shape(source, full)
+        for src, n, dst in pieces:
+            self.in_proj.qweight.load(source, dst, rows=(src, src + n))
 
     def _load_conv(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
         load_pieces(param, source, self.layout.conv_pieces, (self.layout.conv_total, 1, self.dims.conv_kernel))
@@ -202,7 +220,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("Gated DeltaNet runs consecutive cache rows (its state is updated in place)")
         rows = slice(slots.first_row, slots.first_row + B)
         conv_state, ssm_state = self.state.conv[rows], self.state.ssm[rows]  # views of these rows' state
-        qkv, z, b, a = F.linear(x, self.in_proj.weight).split(self.split_sizes, dim=-1)
+        qw = self.in_proj.qweight
+        qkv, z, b, a = (F.linear(x, self.in_proj.weight) if qw is None else qw(x)).split(self.split_sizes, dim=-1)
         qkv = causal_conv(qkv, self.conv1d.weight, conv_state, slots.active)  # (B, T, conv_dim)
         q, k, v = qkv.split([self.layout.key_dim, self.layout.key_dim, self.layout.value_dim], dim=-1)
         beta = b.float().sigmoid()  # (B, T, nv)

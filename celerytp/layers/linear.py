@@ -15,10 +15,10 @@ from torch import nn
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import HeadShard
-from celerytp.layers.quantized import QuantizedWeight, check_block_aligned
+from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.weights import check_shape, copy_into, replicated_loader
 from celerytp.loading.checkpoint import TensorSource
-from celerytp.quant.formats import QuantFormat
+from celerytp.quant.formats import QuantPlan
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
-        quant: QuantFormat | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -108,7 +108,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
-        quant: QuantFormat | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         kv = OutputShard(num_kv_heads * head_dim, heads.kv_start * head_dim, heads.kv_count * head_dim)
         shards = {
@@ -133,7 +133,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
-        quant: QuantFormat | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         start, size = local
         shards = {sid: OutputShard(output_size, start, size) for sid in shard_ids}
@@ -149,7 +149,7 @@ class RowParallelLinear(nn.Module):
         output_size: output features (whole on every rank after the all-reduce).
         tp: the rank's tensor-parallel context.
         reduce_results: all-reduce the partial sums in forward (False only for tests).
-        quant: keep the weight quantized; the local columns must be whole blocks.
+        quant: keep the weight quantized (a slice that is not whole blocks falls back, see QuantPlan).
     """
 
     def __init__(
@@ -163,7 +163,7 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         reduce_results: bool = True,
-        quant: QuantFormat | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -173,7 +173,6 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.qweight = None
         if quant:
-            check_block_aligned(self.start, self.local_size, input_size, quant, "row-parallel linear")
             self.qweight = QuantizedWeight(quant, output_size, self.local_size, dtype=dtype, device=device)
         shape = (0,) if quant else (output_size, self.local_size)
         self.weight = _param(*shape, dtype=dtype, device=device, sharded=True)
@@ -216,7 +215,7 @@ class ReplicatedLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tied_weight: nn.Parameter | None = None,
-        quant: QuantFormat | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.qweight = None

@@ -16,8 +16,11 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from celerytp.layers.partition import split_intermediate
+from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.weights import check_shape, copy_into
 from celerytp.loading.checkpoint import TensorSource
+from celerytp.quant.formats import QuantPlan
+from celerytp.quant.plan import mlp_block
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -39,10 +42,12 @@ class SwiGLUMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         reduce_results: bool = True,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
-        local = split_intermediate(tp.rank, tp.world_size, intermediate_size)
-        common = {"dtype": dtype, "device": device, "bias": False}
+        block = mlp_block(1, quant, intermediate_size, tp.world_size)
+        local = split_intermediate(tp.rank, tp.world_size, intermediate_size, block)
+        common = {"dtype": dtype, "device": device, "bias": False, "quant": quant}
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, intermediate_size, local, ("gate_proj", "up_proj"), **common
         )
@@ -59,7 +64,8 @@ class RoutedExperts(nn.Module):
     """All experts' local slices stacked: w13 (E, 2 I_local, H) = [gate; up], w2 (E, H, I_local).
 
     Checkpoint names `experts.{e}.{gate,up,down}_proj.weight` are mapped onto the stacks by
-    `checkpoint_entries`.
+    `checkpoint_entries`. With `quant` the stacks are empty and each expert keeps its two
+    weights as QuantizedWeights (q13[e]: [gate; up], q2[e]: down).
     """
 
     def __init__(
@@ -71,11 +77,20 @@ class RoutedExperts(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.start, self.local = split_intermediate(tp.rank, tp.world_size, intermediate_size)
+        block = mlp_block(1, quant, intermediate_size, tp.world_size)
+        self.start, self.local = split_intermediate(tp.rank, tp.world_size, intermediate_size, block)
         shape13, shape2 = (num_experts, 2 * self.local, hidden_size), (num_experts, hidden_size, self.local)
+        self.q13 = self.q2 = None
+        if quant:
+            shape13 = shape2 = (0,)
+            common = {"dtype": dtype, "device": device}
+            experts = range(num_experts)
+            self.q13 = nn.ModuleList(QuantizedWeight(quant, 2 * self.local, hidden_size, **common) for _ in experts)
+            self.q2 = nn.ModuleList(QuantizedWeight(quant, hidden_size, self.local, **common) for _ in experts)
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype, device=device), requires_grad=False)
         for p in (self.w13, self.w2):
@@ -97,10 +112,14 @@ class RoutedExperts(nn.Module):
         e, cols = int(expert), (self.start, self.start + self.local)
         if proj == "down_proj":
             check_shape(source, (self.hidden_size, self.intermediate_size))
+            if self.q2 is not None:
+                return self.q2[e].load(source, 0, cols=cols)
             copy_into(param.data[e], source.read(cols=cols), source.name)
             return
         check_shape(source, (self.intermediate_size, self.hidden_size))
         half = 0 if proj == "gate_proj" else self.local
+        if self.q13 is not None:
+            return self.q13[e].load(source, half, rows=cols)
         copy_into(param.data[e, half : half + self.local], source.read(rows=cols), source.name)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -130,6 +149,9 @@ class RoutedExperts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, ys)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.q13 is not None:
+            gate, up = self.q13[e](x).chunk(2, dim=-1)
+            return self.q2[e](F.silu(gate) * up)
         gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)  # (n, I_local) each
         return F.linear(F.silu(gate) * up, self.w2[e])  # (n, H) partial
 
@@ -154,15 +176,19 @@ class SparseMoeBlock(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         common = {"dtype": dtype, "device": device}
         self.tp, self.top_k, self.norm_topk_prob = tp, top_k, norm_topk_prob
+        # The router and the shared expert's gate stay float (E and 1 outputs: tiny, and routing is sensitive).
         self.gate = ReplicatedLinear(hidden_size, num_experts, **common)  # the router
-        self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, tp, **common)
+        self.experts = RoutedExperts(num_experts, hidden_size, intermediate_size, tp, quant=quant, **common)
         self.shared_expert: SwiGLUMLP | None = None
         if shared_intermediate_size:
-            self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, tp, reduce_results=False, **common)
+            self.shared_expert = SwiGLUMLP(
+                hidden_size, shared_intermediate_size, tp, reduce_results=False, quant=quant, **common
+            )
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,22 @@
 """QuantizedWeight: a linear layer's local weight kept quantized, and the kernels that run it.
 
-The parallel linears (celerytp/layers/linear.py) hold one when built with `quant`. Loading
-stages each shard's raw ggml blocks (GGUF bytes sliced as they are, or floats quantized here);
-`finish_loading` converts them once into the layout of the kernel chosen for this device:
+The parallel linears (celerytp/layers/linear.py) hold one when built with a QuantPlan. Loading
+stages each checkpoint slice in its format (GGUF bytes sliced as they are, or floats quantized
+here; see QuantPlan.format_for for per-tensor types and block fallbacks); `finish_loading`
+converts each run of rows sharing a format once into the layout of the kernel chosen for it:
 
-| kernel      | formats            | layout                                   | activations |
-|-------------|--------------------|------------------------------------------|-------------|
-| int4pack    | q4_0, q4_1, q4_k   | torch's tinygemm int4 pack, group 32     | bfloat16    |
-| int8pack    | q8_0               | int8 + one scale per row (requantized)   | bfloat16    |
-| dequant     | q8_0, q4_*         | codes + float32 scale/zero per 32        | compute     |
-| float       | f16, bf16, f32     | the weight in that dtype                 | compute     |
+| kernel      | formats                                   | layout                                  | activations |
+|-------------|-------------------------------------------|-----------------------------------------|-------------|
+| int4pack    | q4_0, q4_1, q4_k                          | torch's tinygemm int4 pack, group 32    | bfloat16    |
+| int8pack    | q8_0, q8_1, q8_k, q5_0, q5_1, q5_k, q6_k, | int8 + one scale per row (requantized)  | bfloat16    |
+|             | q2_k, q3_k                                |                                         |             |
+| dequant     | every block format                        | codes + float32 scale/zero per group    | compute     |
+| float       | f16, bf16, f32                            | the weight in that dtype                | compute     |
 
-int4pack is exact for the weights up to bfloat16 scales/zeros; int8pack re-rounds each q8_0
-row to one scale (error <= half that step); dequant is bit-exact (gguf's float32 weights)
-but rebuilds the matrix every forward. CELERYTP_QUANT_KERNEL=dequant forces the exact path.
-Each fast kernel is checked once per process against dequant on a probe matrix and on any
+int4pack is exact for the weights up to bfloat16 scales/zeros; int8pack re-rounds each row to
+one int8 scale (error <= half that step, max|row| / 254); dequant is bit-exact (gguf's float32
+weights), rebuilt tile by tile every forward. CELERYTP_QUANT_KERNEL=dequant forces the exact
+path. Each fast kernel is checked once per process against dequant on a probe matrix and on any
 error or mismatch the layer falls back to dequant (logged).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +35,14 @@ from torch import nn
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Range, TensorSource
 from celerytp.quant.blocks import QK, Unpacked, quantize_blocks, unpack_blocks
-from celerytp.quant.formats import QuantFormat
+from celerytp.quant.formats import QuantFormat, QuantPlan
 
 log = logging.getLogger(__name__)
 T = GGMLQuantizationType
 KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
 PROBE_RTOL = 0.02  # bf16 activations and scales: ~3 significant digits
-
-
-def check_block_aligned(start: int, size: int, total: int, fmt: QuantFormat, what: str) -> None:
-    """A row-parallel slice of the input dim must not cut a quant block."""
-    if start % fmt.block_size or size % fmt.block_size:
-        raise CeleryTPError(
-            ErrorKind.LOAD_FAILED,
-            f"{what}: this rank's input columns {start}:{start + size} of {total} cut {fmt.name} blocks of "
-            f"{fmt.block_size} (start {start} and size {size} must be multiples of {fmt.block_size})",
-        )
+TILE_ELEMENTS = 1 << 22  # the dequant kernel rebuilds at most this many weights at a time
 
 
 def _mark(t: torch.Tensor, sharded: bool) -> torch.Tensor:
@@ -56,11 +50,20 @@ def _mark(t: torch.Tensor, sharded: bool) -> torch.Tensor:
     return t
 
 
+@dataclass
+class _Staged:
+    start: int  # first local row
+    fmt: QuantFormat
+    data: torch.Tensor  # uint8 blocks, or the float weight
+    names: list[str]  # checkpoint tensors in these rows
+
+
 class QuantizedWeight(nn.Module):
-    """A (out_features, in_features) weight stored in `fmt`, applied as y = x W^T (+ b).
+    """A (out_features, in_features) weight kept per checkpoint slice in its plan's format,
+    applied as y = x W^T (+ b).
 
     Args:
-        fmt: the storage format (a block format or f16/bf16/f32).
+        plan: the load's QuantPlan (one target format, or each tensor's GGUF type).
         out_features, in_features: this rank's local shape.
         dtype: the compute dtype (activations and outputs).
         sharded: this rank holds a slice (False for a replicated lm_head), for memory reports.
@@ -68,7 +71,7 @@ class QuantizedWeight(nn.Module):
 
     def __init__(
         self,
-        fmt: QuantFormat,
+        plan: QuantPlan,
         out_features: int,
         in_features: int,
         *,
@@ -77,75 +80,127 @@ class QuantizedWeight(nn.Module):
         sharded: bool = True,
     ) -> None:
         super().__init__()
-        if in_features % fmt.block_size:
-            raise CeleryTPError(
-                ErrorKind.LOAD_FAILED, f"in_features {in_features} is not a multiple of the {fmt.name} block size {fmt.block_size}"
-            )
-        self.fmt, self.out_features, self.in_features = fmt, out_features, in_features
-        self.dtype, self.sharded, self.kernel = dtype, sharded, "float" if fmt.float_dtype else "staged"
-        if fmt.float_dtype is not None:
-            self.register_buffer("w", _mark(torch.empty(out_features, in_features, dtype=fmt.float_dtype, device=device), sharded))
-        else:
-            nbytes = in_features // fmt.block_size * fmt.type_size
-            self.register_buffer("staged", torch.empty(out_features, nbytes, dtype=torch.uint8, device=device))
+        self.plan, self.out_features, self.in_features = plan, out_features, in_features
+        self.dtype, self.device, self.sharded = dtype, device, sharded
+        self._staged: list[_Staged] = []
+        self.fallbacks: list[str] = []  # "<tensor>: q4_k -> q5_0 (why)"
+        self.parts = nn.ModuleList()
 
     def extra_repr(self) -> str:
-        return f"{self.fmt.name}, out={self.out_features}, in={self.in_features}, kernel={self.kernel}"
+        return f"out={self.out_features}, in={self.in_features}"
 
     # ---- loading -----------------------------------------------------------------------------
 
     def load(self, source: TensorSource, row_offset: int, rows: Range | None = None, cols: Range | None = None) -> None:
-        """Copy a checkpoint slice into rows row_offset.. of this weight, in the storage format."""
-        if self.kernel == "float":
-            value = source.read(rows, cols).to(self.fmt.float_dtype)
-            dest = self.w
+        """Stage a checkpoint slice for rows row_offset.. of this weight, in its storage format."""
+        start, stop = cols if cols is not None else (0, source.shape[1])
+        fmt, fallback = self.plan.format_for(source.ggml_type, self.dtype, start, stop - start)
+        if fallback:
+            self.fallbacks.append(f"{source.name}: {fallback}")
+        if fmt.float_dtype is not None:
+            value = source.read(rows, cols).to(device=self.device, dtype=fmt.float_dtype)
         else:
-            value = source.read_blocks(self.fmt.ggml_type, rows, cols)
-            dest = self.staged
-        stop = row_offset + value.shape[0]
-        if value.shape[1] != dest.shape[1] or stop > dest.shape[0]:
+            value = source.read_blocks(fmt.ggml_type, rows, cols).to(self.device)
+        expected = stop - start if fmt.float_dtype is not None else (stop - start) // fmt.block_size * fmt.type_size
+        if (
+            stop - start != self.in_features
+            or value.shape[1] != expected
+            or row_offset + value.shape[0] > self.out_features
+        ):
             raise CeleryTPError(
-                ErrorKind.LOAD_FAILED, f"{source.name}: slice {tuple(value.shape)} does not fit rows {row_offset}:{stop} of {tuple(dest.shape)}"
+                ErrorKind.LOAD_FAILED,
+                f"{source.name}: slice {tuple(value.shape)} does not fit rows {row_offset}: of ({self.out_features}, {self.in_features})",
             )
-        dest[row_offset:stop].copy_(value)
+        self._staged.append(_Staged(row_offset, fmt, value, [source.name]))
 
     @torch.no_grad()
     def finish_loading(self) -> None:
-        """Convert the staged blocks into the kernel's layout (once, after every shard is loaded)."""
-        if self.kernel != "staged":
+        """Convert the staged slices into kernel layouts (once, after every shard is loaded)."""
+        if not self._staged:
             return
-        qtype = self.fmt.ggml_type
-        unpacked = unpack_blocks(self.staged, qtype)
-        del self.staged
-        kernel = preferred_kernel(qtype, unpacked.q.device, self.dtype)
-        if kernel != "dequant":
-            try:
-                self._set_layout(kernel, unpacked)
-                self.kernel = kernel
-                return
-            except RuntimeError as exc:  # a shape the kernel does not take
-                log.warning("%s %s: %s kernel refused (%s); using dequant", self.fmt.name, self.extra_repr(), kernel, exc)
-        self._set_layout("dequant", unpacked)
-        self.kernel = "dequant"
+        runs: list[_Staged] = []
+        for s in sorted(self._staged, key=lambda s: s.start):
+            last = runs[-1] if runs else None
+            expect = last.start + last.data.shape[0] if last else 0
+            if s.start != expect:
+                raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{s.names}: rows from {s.start} loaded, expected {expect}")
+            if last is not None and last.fmt == s.fmt:  # one kernel call for rows sharing a format
+                runs[-1] = _Staged(last.start, last.fmt, torch.cat([last.data, s.data]), last.names + s.names)
+            else:
+                runs.append(s)
+        self._staged = []
+        if runs[-1].start + runs[-1].data.shape[0] != self.out_features:
+            raise CeleryTPError(
+                ErrorKind.LOAD_FAILED,
+                f"{runs[-1].names}: only {runs[-1].start + runs[-1].data.shape[0]} of {self.out_features} rows loaded",
+            )
+        for run in runs:
+            self.parts.append(_Part(run.fmt, run.data, run.names, self.dtype, self.sharded))
 
-    def _set_layout(self, kernel: str, u: Unpacked) -> None:
-        for name, value in make_layout(kernel, u).items():
-            self.register_buffer(name, _mark(value, self.sharded) if value is not None else None)
-        self.offset = u.offset
+    def summary(self) -> list[tuple[str, list[str], int]]:
+        """(format, checkpoint tensors, bytes) per part."""
+        return [(p.fmt.name, p.names, sum(b.nbytes for b in p.buffers())) for p in self.parts]
 
     # ---- forward -----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        if self.kernel in ("float", "dequant"):
-            w = self.w if self.kernel == "float" else dequantize_layout(self._buffers, self.offset)
-            y = F.linear(x2, w.to(x2.dtype))
-        else:
-            y = run_kernel(self.kernel, self._buffers, x2, self.out_features)
+        ys = [part(x2) for part in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class _Part(nn.Module):
+    """Consecutive output rows of a QuantizedWeight in one format and kernel layout."""
+
+    def __init__(
+        self, fmt: QuantFormat, data: torch.Tensor, names: list[str], dtype: torch.dtype, sharded: bool
+    ) -> None:
+        super().__init__()
+        self.fmt, self.names, self.rows = fmt, names, data.shape[0]
+        if fmt.float_dtype is not None:
+            self.kernel = "float"
+            self.register_buffer("w", _mark(data.contiguous(), sharded))
+            return
+        qtype = fmt.ggml_type
+        unpacked = unpack_blocks(data, qtype)
+        self.offset, self.group, self.in_features = unpacked.offset, unpacked.group, unpacked.q.shape[1]
+        kernel = preferred_kernel(qtype, data.device, dtype)
+        if kernel != "dequant":
+            try:
+                layout = make_layout(kernel, unpacked)
+            except RuntimeError as exc:  # a shape the kernel does not take
+                log.warning("%s %s: %s kernel refused (%s); using dequant", fmt.name, names, kernel, exc)
+                kernel = "dequant"
+        if kernel == "dequant":
+            layout = make_layout("dequant", unpacked)
+        self.kernel = kernel
+        for name, value in layout.items():
+            self.register_buffer(name, _mark(value, sharded) if value is not None else None)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, rows={self.rows}, kernel={self.kernel}"
+
+    def forward(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "float":
+            return F.linear(x2, self.w.to(x2.dtype))
+        if self.kernel != "dequant":
+            return run_kernel(self.kernel, self._buffers, x2, self.rows)
+        step = max(1, TILE_ELEMENTS // self.in_features)
+        if step >= self.rows:
+            return F.linear(
+                x2, dequantize_layout(self._buffers, self.offset, self.group, self.in_features).to(x2.dtype)
+            )
+        tiles = []
+        for r in range(0, self.rows, step):
+            w = dequantize_layout(
+                self._buffers, self.offset, self.group, self.in_features, (r, min(r + step, self.rows))
+            )
+            tiles.append(F.linear(x2, w.to(x2.dtype)))
+        return torch.cat(tiles, dim=-1)
 
 
 # ---- layouts and kernels (pure functions of tensors, testable alone) -----------------------------
@@ -155,8 +210,8 @@ def preferred_kernel(qtype: GGMLQuantizationType, device: torch.device, dtype: t
     """The fastest kernel that passed this process's probe for (type, device), else dequant."""
     if os.environ.get(KERNEL_ENV, "auto") == "dequant":
         return "dequant"
-    kernel = "int4pack" if qtype in INT4_TYPES else "int8pack" if qtype == T.Q8_0 else "dequant"
-    if kernel != "dequant" and not _probe(kernel, qtype, str(device)):
+    kernel = "int4pack" if qtype in INT4_TYPES else "int8pack"
+    if not _probe(kernel, qtype, str(device)):
         return "dequant"
     return kernel
 
@@ -170,31 +225,41 @@ def _probe(kernel: str, qtype: GGMLQuantizationType, device: str) -> bool:
     u = unpack_blocks(quantize_blocks(w, qtype), qtype)
     ref = x @ u.dequantize().T
     try:
-        u = Unpacked(*(t.to(device) if t is not None else None for t in (u.q, u.scale, u.zero)), u.offset)
+        u = Unpacked(*(t.to(device) if t is not None else None for t in (u.q, u.scale, u.zero)), u.offset, u.group)
         y = run_kernel(kernel, make_layout(kernel, u), x.to(device), 64).float().cpu()
     except (RuntimeError, NotImplementedError) as exc:
         log.warning("quant kernel %s for %s on %s unavailable (%s); using dequant", kernel, qtype.name, device, exc)
         return False
     err = float((y - ref).abs().max() / ref.abs().max())
     if err > PROBE_RTOL:
-        log.warning("quant kernel %s for %s on %s is off by %.3g (relative); using dequant", kernel, qtype.name, device, err)
+        log.warning(
+            "quant kernel %s for %s on %s is off by %.3g (relative); using dequant", kernel, qtype.name, device, err
+        )
         return False
     return True
 
 
 def make_layout(kernel: str, u: Unpacked) -> dict[str, torch.Tensor | None]:
     """The buffers `kernel` reads, built from unpacked codes and scales."""
-    N, K = u.q.shape
+    K = u.q.shape[1]
     if kernel == "dequant":
-        q = u.q if u.q.dtype == torch.int8 else u.q[:, 0::2] | (u.q[:, 1::2] << 4)  # two codes per byte
-        return {"q": q.contiguous(), "scale": u.scale.contiguous(), "zero": None if u.zero is None else u.zero.contiguous()}
+        q = u.q
+        if q.dtype == torch.uint8 and int(q.max()) < 16 and K % 2 == 0:  # two codes per byte
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        return {
+            "q": q.contiguous(),
+            "scale": u.scale.contiguous(),
+            "zero": None if u.zero is None else u.zero.contiguous(),
+        }
     if kernel == "int8pack":
-        # One scale per row: the row's largest block scale, so the widest block keeps its codes.
+        # One scale per row, max|w| / 127 (a q8_0 row's widest block keeps its codes).
         w = u.dequantize()  # (N, K)
-        scale = u.scale.amax(1).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
         q = torch.round(w / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
         return {"q": q, "scale": scale}
     if kernel == "int4pack":
+        if u.group != QK:
+            raise ValueError(f"int4pack takes groups of {QK}, not {u.group}")
         # tinygemm: w = s * (q - 8) + z, so z = zero + 8 s when the codes are not centred.
         zero = torch.zeros_like(u.scale) if u.zero is None else u.zero
         if u.offset == 0:
@@ -213,18 +278,21 @@ def _inner_k_tiles(K: int) -> int:
     return next((t for t in (8, 4, 2) if K % (t * 16) == 0), 2)
 
 
-def dequantize_layout(b: dict[str, torch.Tensor | None], offset: int) -> torch.Tensor:
-    """float32 (N, K) of a dequant layout, bit-identical to gguf's dequantization."""
-    q = b["q"]
-    if q.dtype == torch.uint8:  # nibble pairs
+def dequantize_layout(
+    b: dict[str, torch.Tensor | None], offset: int, group: int, in_features: int, rows: Range | None = None
+) -> torch.Tensor:
+    """float32 (rows, K) of a dequant layout, bit-identical to gguf's dequantization."""
+    r = slice(*rows) if rows is not None else slice(None)
+    q = b["q"][r]
+    if q.shape[1] != in_features:  # nibble pairs
         q = torch.stack([q & 0x0F, q >> 4], dim=-1).view(q.shape[0], -1)
-    scale, zero = b["scale"], b["zero"]
-    return Unpacked(q, scale, zero, offset).dequantize()
+    zero = b["zero"]
+    return Unpacked(q, b["scale"][r], None if zero is None else zero[r], offset, group).dequantize()
 
 
 def run_kernel(kernel: str, b: dict[str, torch.Tensor | None], x: torch.Tensor, n: int) -> torch.Tensor:
     """y (M, n) = x (M, K) W^T with a torch weight-only kernel (bfloat16 activations)."""
-    xb = x.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16).contiguous()  # the kernels read rows densely
     if kernel == "int8pack":
         y = torch.ops.aten._weight_int8pack_mm(xb, b["q"], b["scale"])
     elif x.device.type == "cpu":

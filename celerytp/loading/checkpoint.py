@@ -28,7 +28,7 @@ class TensorSource(ABC):
     """One checkpoint tensor, in Hugging Face orientation ((out, in) for a linear weight).
 
     `read` returns only the requested rows/columns; subclasses never materialize more of a
-    2-D tensor than that slice (GGUF may widen to whole quant blocks, which we forbid).
+    2-D tensor than that slice (GGUF widens a column slice to whole quant blocks, then crops).
     """
 
     def __init__(self, name: str, shape: tuple[int, ...], log: list[ReadRecord]) -> None:

@@ -17,8 +17,17 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
+from celerytp.quant.blocks import dequantize_blocks
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
+# Hybrid architectures gguf names but this reader does not translate: llama.cpp's converter
+# rewrites their tensors (what a reader would have to undo), so they load from safetensors only.
+HYBRID_GGUF_MISSING = (
+    "ssm_in/ssm_ba (or ssm_beta/ssm_alpha) rows back into in_proj_qkvz/ba order, ssm_a = -exp(A_log) back to "
+    "A_log, ssm_conv1d's layout, attn_q + attn_gate back into the gated q_proj, stacked ffn_*_exps experts, "
+    "norm weights stored with +1, and the ssm.* / full_attention_interval metadata as a config"
+)
+HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 
 # GGUF tensor name stem -> Hugging Face module name.
 GLOBAL_NAMES = {
@@ -41,6 +50,7 @@ BLOCK_NAMES = {
 }
 # llama.cpp's rope factors for llama3-style scaling; folded into the config, not a weight.
 ROPE_FREQS = "rope_freqs.weight"
+_OWN_CODEC = (gguf.GGMLQuantizationType.Q8_1, gguf.GGMLQuantizationType.Q8_K)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _FLOAT_TYPES = {
     gguf.GGMLQuantizationType.F32: np.float32,
@@ -136,8 +146,16 @@ class GGUFSource(TensorSource):
         return np.array(part, copy=True)
 
     def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
-        # Copy just this slice out of the memory map, then dequantize it alone.
-        values = gguf.quants.dequantize(self._raw_slice(rows, cols), self._qtype)
+        # Copy just this slice out of the memory map (widened to whole blocks), dequantize it alone.
+        block = self.column_block()
+        wide = None if cols is None else (cols[0] // block * block, -(-cols[1] // block) * block)
+        raw = self._raw_slice(rows, wide)
+        if self._qtype in _OWN_CODEC:  # gguf has no dequantizer for ggml's activation formats
+            values = dequantize_blocks(torch.from_numpy(raw), self._qtype).numpy()
+        else:
+            values = gguf.quants.dequantize(raw, self._qtype)
+        if cols is not None:
+            values = values[:, cols[0] - wide[0] : cols[1] - wide[0]]
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         if self._head_dim:
             out = _unpermute_rope_rows(out, self._head_dim)
@@ -197,6 +215,13 @@ class GGUFCheckpoint(Checkpoint):
 
     def _hf_config(self) -> dict[str, Any]:
         arch = self.metadata("general.architecture")
+        if arch in HYBRID_GGUF_ARCHS:
+            raise CeleryTPError(
+                ErrorKind.UNSUPPORTED_ARCH,
+                f"{self.path}: GGUF architecture {arch!r} is a hybrid (Gated DeltaNet) model whose GGUF layout is not "
+                f"translated; missing: {HYBRID_GGUF_MISSING}. Load its Hugging Face safetensors directory instead "
+                f"(quant applies there).",
+            )
         if arch not in SUPPORTED_ARCHS:
             raise CeleryTPError(
                 ErrorKind.UNSUPPORTED_ARCH,

@@ -13,7 +13,7 @@ from celerytp.distributed.tp import TPContext
 from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.config import ModelConfig
-from celerytp.quant.formats import QuantFormat
+from celerytp.quant.formats import QuantPlan
 
 Progress = Callable[[int, int, str], None]
 
@@ -30,7 +30,7 @@ class BuildOptions:
         max_batch: sequences served at once (KV cache rows; one more row is step mode's).
         mlp_block: the checkpoint's quant block along down_proj's columns (1 if unquantized),
             so MLP shards start on block boundaries.
-        quant: keep sharded linears (and an untied lm_head) quantized in this format.
+        quant: keep sharded linears (and an untied lm_head) quantized as this plan says.
     """
 
     tp: TPContext
@@ -39,7 +39,7 @@ class BuildOptions:
     max_context: int
     max_batch: int = 1
     mlp_block: int = 1
-    quant: QuantFormat | None = None
+    quant: QuantPlan | None = None
 
 
 class CausalLM(nn.Module):
@@ -52,6 +52,7 @@ class CausalLM(nn.Module):
     # Several rows' prompts can share one padded prefill (recurrent state cannot: padding would enter it).
     batched_prefill = True
     # Checkpoint matrices packed into one of our parameters, in packing order (vLLM style).
+    quant: str | None = None  # the format load_model kept the linears in ("gguf": each tensor's own type)
     packed_modules_mapping: dict[str, tuple[str, ...]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),

@@ -16,8 +16,8 @@ from celerytp.models.hybrid_config import HybridConfig, config_from_hf
 from celerytp.models.llama import LlamaForCausalLM
 from celerytp.models.qwen3 import Qwen3ForCausalLM
 from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-from celerytp.quant.formats import QuantFormat
-from celerytp.quant.plan import finish_loading, mlp_block, resolve_quant
+from celerytp.quant.formats import QuantPlan
+from celerytp.quant.plan import finish_loading, mlp_block, plan_name, resolve_quant
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # per rank; on CPU only the pages rows write become resident
 
@@ -48,18 +48,19 @@ def load_model(
 
     Raises CeleryTPError(ErrorKind.UNSUPPORTED_ARCH) for paths and architectures we cannot run and
     CeleryTPError(ErrorKind.LOAD_FAILED) for broken checkpoints or impossible splits. `quant` names the
-    ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if unknown or not executable);
-    None keeps a GGUF file's own type (see celerytp/quant/plan.py) and leaves others float.
+    ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if it is not one); None keeps
+    each GGUF tensor's own type (see celerytp/quant/plan.py) and leaves others float.
     """
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)
-        fmt = resolve_quant(quant, checkpoint, config.model_type, dtype)
+        plan = resolve_quant(quant, checkpoint, config.model_type, dtype)
         model = build_model(
-            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=fmt,
+            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=plan,
             kv_cache_bytes=kv_cache_bytes,
         )
         loaded = model.load_weights(checkpoint, progress)
         finish_loading(model)
+        model.quant = plan_name(plan, model)  # the load reply's `quant`
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
@@ -75,7 +76,7 @@ def build_model(
     device: str | torch.device,
     max_context: int | None,
     max_batch: int = 1,
-    quant: QuantFormat | None = None,
+    quant: QuantPlan | None = None,
     kv_cache_bytes: int | None = None,
 ) -> CausalLM:
     """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks.
@@ -94,7 +95,7 @@ def build_model(
         device=torch.device(device),
         max_context=max_context,
         max_batch=max_batch,
-        mlp_block=mlp_block(_mlp_block(checkpoint, config), quant),
+        mlp_block=mlp_block(_mlp_block(checkpoint, config), quant, getattr(config, "intermediate_size", 0), tp.world_size),
         quant=quant,
     )
     return model_cls(config, options)

@@ -51,6 +51,7 @@ class Qwen3NextAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, hd  # local
         self.rotary_dim = config.rotary_dim
         common = {"dtype": options.dtype, "device": options.device}
+        quant = options.quant
         kv = OutputShard(config.num_kv_heads * hd, heads.kv_start * hd, heads.kv_count * hd)
         shards = {
             # q_proj rows are [q (hd) | gate (hd)] per head, so whole heads keep their gates.
@@ -58,11 +59,11 @@ class Qwen3NextAttention(nn.Module):
             "k_proj": kv,
             "v_proj": kv,
         }
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, bias=config.attention_bias, **common)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, bias=config.attention_bias, quant=quant, **common)
         self.split_sizes = [s.size for s in shards.values()]
         self.o_proj = RowParallelLinear(
             config.num_heads * hd, config.hidden_size, (heads.q_start * hd, heads.q_count * hd), tp,
-            bias=config.attention_bias, **common,
+            bias=config.attention_bias, quant=quant, **common,
         )  # fmt: skip
         self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
         self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
@@ -110,19 +111,22 @@ class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, config: HybridConfig, options: BuildOptions, index: int) -> None:
         super().__init__()
         common = {"dtype": options.dtype, "device": options.device}
+        quant = {"quant": options.quant}
         self.is_linear = config.layer_types[index] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(linear_attention_dims(config), options.tp, cache_rows(options), **common)
+            self.linear_attn = GatedDeltaNet(
+                linear_attention_dims(config), options.tp, cache_rows(options), **common, **quant
+            )
         else:
             self.self_attn = Qwen3NextAttention(config, options)
         self.mlp: nn.Module
         if index in config.moe_layers:
             self.mlp = SparseMoeBlock(
                 config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                config.shared_expert_intermediate_size, config.norm_topk_prob, options.tp, **common,
+                config.shared_expert_intermediate_size, config.norm_topk_prob, options.tp, **common, **quant,
             )  # fmt: skip
         else:
-            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, options.tp, **common)
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, options.tp, **common, **quant)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
 
@@ -170,7 +174,8 @@ class Qwen3NextForCausalLM(CausalLM):
         self.model = Qwen3NextModel(config, options)
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = ReplicatedLinear(
-            config.hidden_size, config.vocab_size, dtype=options.dtype, device=options.device, tied_weight=tied
+            config.hidden_size, config.vocab_size, dtype=options.dtype, device=options.device, tied_weight=tied,
+            quant=options.quant,
         )
 
     def clear_cache(self, row: int | None = None) -> None:

@@ -30,9 +30,15 @@ GGML_TYPES: dict[str, GGMLQuantizationType] = {
 }
 ALIASES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}  # llama.cpp's file-type names for the same tensors
 ACCEPTED_NAMES = (*GGML_TYPES, *ALIASES)
-# What this version executes; every other accepted name is refused with bad_request.
-EXECUTABLE = ("q8_0", "q4_0", "q4_1", "q4_k", "f16", "bf16", "f32")
+# What this version executes: every name (see layers/quantized.py for which kernel runs each).
+EXECUTABLE = tuple(GGML_TYPES)
+# When a rank's slice of a row is not whole blocks: llama.cpp's choice for tensors whose rows are
+# not whole K super-blocks (llama-quant.cpp; IQ4_NL, its pick for Q2_K/Q3_K, is not a type here,
+# so its same-size sibling Q4_0), then float in the compute dtype.
+FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "q8_k": "q8_0"}
+
 FLOAT_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+DTYPE_FORMATS = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
 _BY_KEY = {name.replace("_", ""): name for name in GGML_TYPES} | {a.replace("_", ""): c for a, c in ALIASES.items()}
 
 
@@ -72,17 +78,48 @@ class QuantFormat:
     def executable(self) -> bool:
         return self.name in EXECUTABLE
 
+    def fits(self, start: int, size: int) -> bool:
+        """Whether columns start:start+size of a row are whole blocks of this format."""
+        return start % self.block_size == 0 and size % self.block_size == 0
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """How a load keeps its linear weights.
+
+    Args:
+        target: every linear in this format (requantized as needed); None: each tensor keeps
+            its GGUF type (float ones stay float in the compute dtype).
+    """
+
+    target: QuantFormat | None = None
+
+    def format_for(
+        self, file_type: GGMLQuantizationType | None, dtype: torch.dtype, start: int, size: int
+    ) -> tuple[QuantFormat, str | None]:
+        """The format of one rank's slice (columns start:start+size of each row) and, when that is
+        not the wanted one because its blocks do not fit, why (a fallback to report)."""
+        wanted = self.target or (QuantFormat.of_type(file_type) if file_type is not None else None)
+        if wanted is None or (wanted.float_dtype is not None and self.target is None):
+            wanted = QuantFormat.of(DTYPE_FORMATS[dtype])  # a float tensor of the file: the compute dtype
+        fmt = wanted
+        while not fmt.fits(start, size):
+            fmt = QuantFormat.of(FALLBACK.get(fmt.name, DTYPE_FORMATS[dtype]))
+        if fmt is wanted:
+            return fmt, None
+        return (
+            fmt,
+            f"{wanted.name} -> {fmt.name} (columns {start}:{start + size} are not whole {wanted.block_size}-blocks)",
+        )
+
 
 def parse_quant(name: str) -> QuantFormat:
-    """The format a `quant` string names; CeleryTPError(ErrorKind.BAD_REQUEST) for unknown or unexecutable names."""
+    """The format a `quant` string names; CeleryTPError(ErrorKind.BAD_REQUEST) for a name that is
+    not a weight format, listing the executable ones."""
     canonical = _BY_KEY.get(name.strip().lower().replace("_", ""))
-    if canonical is None:
-        raise CeleryTPError(
-            ErrorKind.BAD_REQUEST, f"unknown quant {name!r}; accepted (case-insensitive, '_' optional): {', '.join(ACCEPTED_NAMES)}"
-        )
-    if canonical not in EXECUTABLE:
+    if canonical is None or canonical not in EXECUTABLE:
         raise CeleryTPError(
             ErrorKind.BAD_REQUEST,
-            f"quant {name!r} ({canonical}) is a ggml type this version cannot execute; executable: {', '.join(EXECUTABLE)}",
+            f"unknown quant {name!r}; executable (case-insensitive, '_' optional): {', '.join((*EXECUTABLE, *ALIASES))}",
         )
     return QuantFormat.of(canonical)

@@ -1,52 +1,82 @@
-"""Which format a load keeps its linear weights in: the `quant` a request names, else a GGUF's own."""
+"""Which formats a load keeps its linear weights in, and what it ended up keeping (the load reply)."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint
-from celerytp.quant.formats import QuantFormat, parse_quant
+from celerytp.quant.formats import QuantFormat, QuantPlan, parse_quant
 
 # Architectures whose every linear takes BuildOptions.quant (others would silently ignore it).
-QUANT_MODEL_TYPES = ("llama", "qwen3")
-_LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
+QUANT_MODEL_TYPES = ("llama", "qwen3", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+_LINEAR_SUFFIXES = (
+    "_proj.weight",
+    "lm_head.weight",
+    "in_proj_qkvz.weight",
+    "in_proj_ba.weight",
+    "in_proj_qkv.weight",
+    "in_proj_z.weight",
+    "in_proj_b.weight",
+    "in_proj_a.weight",
+)
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dtype: torch.dtype) -> QuantFormat | None:
-    """The storage format of this load's linears; None = plain weights in the compute dtype.
+def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dtype: torch.dtype) -> QuantPlan | None:
+    """How this load keeps its linears; None = plain weights in the compute dtype.
 
-    `quant` names a format (CeleryTPError "bad_request" if unknown or not executable). None keeps
-    a GGUF file's type when all its linear weights share one executable block type; mixed or
-    other types are dequantized as before (pass `quant` to requantize them).
+    `quant` names one format for every linear (CeleryTPError "bad_request" if it is not a weight
+    format). None keeps each GGUF tensor's own type (a Q4_K_M file stays q4_k + q6_k), or plain
+    weights when no linear is stored in a block format.
     """
     if quant is None:
-        fmt = _file_format(checkpoint)
+        plan = QuantPlan() if _file_has_blocks(checkpoint) else None
     else:
         fmt = parse_quant(quant)
-    if fmt is None or fmt.float_dtype == dtype:
-        return None  # f32 on a float32 load (or bf16 on bf16) is the plain, unquantized model
-    if model_type not in QUANT_MODEL_TYPES:
+        plan = None if fmt.float_dtype == dtype else QuantPlan(fmt)  # f32 on a float32 load: the plain model
+    if plan is not None and model_type not in QUANT_MODEL_TYPES:
         raise CeleryTPError(
-            ErrorKind.BAD_REQUEST, f"quant {fmt.name!r} is not supported for model_type {model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})"
+            ErrorKind.BAD_REQUEST,
+            f"{f'quant {quant!r}' if quant else 'a GGUF with quantized weights'} is not supported for model_type "
+            f"{model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})",
         )
-    return fmt
+    return plan
 
 
-def _file_format(checkpoint: Checkpoint) -> QuantFormat | None:
-    types = {checkpoint.source(n).ggml_type for n in checkpoint.names() if n.endswith(_LINEAR_SUFFIXES)}
-    if len(types) != 1 or None in types:
-        return None
-    fmt = QuantFormat.of_type(types.pop())
-    return fmt if fmt is not None and fmt.executable and fmt.float_dtype is None else None
+def plan_name(plan: QuantPlan | None, model: nn.Module | None = None) -> str | None:
+    """The load reply's `quant`: the target format, or for a kept GGUF the types its linears
+    ended up in, most bytes first ("q4_k+q6_k+q5_0"); None for plain weights."""
+    if plan is None or plan.target is not None or model is None:
+        return None if plan is None else plan.target.name if plan.target else "gguf"
+    types = quant_summary(model)[0]
+    return "+".join(sorted(types, key=lambda t: -types[t]["bytes"])) or None
 
 
-def mlp_block(checkpoint_block: int, fmt: QuantFormat | None) -> int:
-    """MLP shards must start on both the file's blocks and the storage format's."""
-    return checkpoint_block if fmt is None else math.lcm(checkpoint_block, fmt.block_size)
+def _file_has_blocks(checkpoint: Checkpoint) -> bool:
+    """Whether some linear weight is stored in a block format (a GGUF quant type)."""
+    for name in checkpoint.names():
+        if name.endswith(_LINEAR_SUFFIXES):
+            qtype = checkpoint.source(name).ggml_type
+            if qtype is not None and qtype not in _FLOAT_TYPES:
+                return True
+    return False
+
+
+def mlp_block(checkpoint_block: int, fmt: QuantPlan | QuantFormat | None, intermediate: int = 0, world: int = 1) -> int:
+    """Where MLP shards start: on both the file's blocks and the target format's when the
+    intermediate size splits so, else the file's, else 32 (slices that cut blocks fall back)."""
+    target = fmt.target if isinstance(fmt, QuantPlan) else fmt
+    wanted = checkpoint_block if target is None else math.lcm(checkpoint_block, target.block_size)
+    for block in (wanted, checkpoint_block, 32):
+        if not intermediate or (intermediate % block == 0 and intermediate // block >= world):
+            return block
+    return 1
 
 
 def finish_loading(model: nn.Module) -> None:
@@ -56,3 +86,20 @@ def finish_loading(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, QuantizedWeight):
             module.finish_loading()
+
+
+def quant_summary(model: nn.Module) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """This rank's kept formats: {type: {"tensors": n, "bytes": b}} over checkpoint tensors, and
+    the fallbacks taken ("<tensor>: q4_k -> q5_0 (why)")."""
+    from celerytp.layers.quantized import QuantizedWeight
+
+    tensors: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    fallbacks: list[str] = []
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            fallbacks += module.fallbacks
+            for name, names, size in module.summary():
+                tensors[name] += len(names)
+                nbytes[name] += size
+    return {t: {"tensors": tensors[t], "bytes": nbytes[t]} for t in sorted(tensors)}, sorted(set(fallbacks))

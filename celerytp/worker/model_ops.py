@@ -18,6 +18,7 @@ from celerytp.core.registry import LOAD_FIELDS, model_record
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.models import load_model
+from celerytp.quant.plan import quant_summary
 from celerytp.worker.loaded_model import LoadedModel, release_memory
 from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
 from celerytp.worker.state import RankState, rss_bytes
@@ -117,8 +118,10 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     state.models[request.model_id] = LoadedModel(model, str(path), record, request.prefill_budget, request.idle_s)
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS
     memory = model.memory_report()
+    quant_types, fallbacks = quant_summary(model)
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
+        quant=model.quant, quant_types=quant_types, quant_fallbacks=fallbacks,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,
         prefill_budget=request.prefill_budget, idle_s=request.idle_s, num_layers=config.num_layers,
         sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],
