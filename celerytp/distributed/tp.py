@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from celerytp.distributed import shm
+
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
     """Exact division that names both numbers when it is not exact."""
@@ -37,11 +39,30 @@ class TPContext:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over all ranks and return it."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            fast = self._shm(tensor)
+            if fast is not None:
+                fast.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` in place with rank `src`'s value and return it."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            fast = self._shm(tensor)
+            if fast is not None:
+                fast.broadcast(tensor, src)
+            else:
+                dist.broadcast(tensor, src=src, group=self.group)
         return tensor
+
+    def _shm(self, tensor: torch.Tensor) -> shm.ShmGroup | None:
+        """The default group's shared-memory path when it is set up and the tensor is small.
+
+        Every rank takes the same path for the same call: the choice depends only on the
+        tensor's size, device and layout, which the ranks share.
+        """
+        fast = shm.active() if self.group is None else None
+        if fast is not None and fast.world_size == self.world_size and fast.fits(tensor):
+            return fast
+        return None
