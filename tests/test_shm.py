@@ -83,7 +83,10 @@ def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_di
     try:
         timeout_s = 3.0 if scenario == "dead_peer" else 60.0
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         group_name = f"test{os.getppid()}"
