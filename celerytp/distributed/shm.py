@@ -192,6 +192,17 @@ class ShmGroup:
             flat.copy_(self._slot(s, src, flat))
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` stacked in rank order: (world_size, *tensor.shape)."""
+        flat = tensor.view(-1)
+        s = self._begin()
+        self._slot(s, self.rank, flat).copy_(flat)
+        self._barrier()
+        out = torch.empty((self.world_size, flat.numel()), dtype=tensor.dtype)
+        for r in range(self.world_size):
+            out[r].copy_(self._slot(s, r, flat))
+        return out.view(self.world_size, *tensor.shape)
+
     def _begin(self) -> int:
         if not self._slots:
             raise RuntimeError("shared-memory group is closed")
