@@ -8,7 +8,8 @@ All in one run:
 - SmolLM2-135M float32 decode tokens/s at TP 1, 2 and 3, shared memory on and off, with the same
   total threads (--threads divided among the ranks), through the bare SPMD serving loop
   (celerytp.worker.serving driven by torch.distributed directly: no Celery, no Redis), one greedy
-  request of --tokens tokens (prefill included), median of --repeats after a warm-up.
+  request of --tokens tokens (prefill included), median of --repeats after a warm-up; with rank
+  0's weight bytes (CausalLM.memory_report).
 
 Prints one JSON object and a readable table.
 """
@@ -78,10 +79,14 @@ def _decode_rank(rank: int, world_size: int, init_file: str, use_shm: bool, thre
     for _ in range(args.repeats + 1):
         dist.barrier()
         start = time.perf_counter()
-        ServingLoop(model, tp, {}, prefill_budget=256, idle_s=0.0, source=ListSource([spec]) if rank == 0 else None).run()
+        ServingLoop(
+            model, tp, {}, prefill_budget=256, idle_s=0.0, source=ListSource([spec]) if rank == 0 else None
+        ).run()
         times.append(time.perf_counter() - start)
-    if rank == 0:
-        out.put(args.tokens / statistics.median(times[1:]))  # the first run warms up
+    if rank == 0:  # the first run warms up
+        report = model.memory_report()
+        weights = (report["sharded_bytes"] + report["replicated_bytes"]) / 2**20
+        out.put({"tokens_per_s": args.tokens / statistics.median(times[1:]), "rank0_weights_mib": weights})
     shm.detach()
     dist.destroy_process_group()
 
@@ -108,16 +113,17 @@ def main() -> None:
         for world_size in (1, 2, 3):
             for use_shm in (False, True) if world_size > 1 else (False,):
                 threads = max(1, args.threads // world_size)
-                rate = _spawn(_decode_rank, world_size, use_shm, threads, args)
-                figures["decode_tokens_per_s"][f"tp{world_size}{' shm' if use_shm else ''}"] = rate
+                figures["decode_tokens_per_s"][f"tp{world_size}{' shm' if use_shm else ''}"] = _spawn(
+                    _decode_rank, world_size, use_shm, threads, args
+                )
     print(json.dumps(figures))
     print("\nall-reduce median latency (us), float32")
     for world_size, row in figures["latency_us"].items():
         print(f"  {world_size} ranks: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
     if figures["decode_tokens_per_s"]:
         print(f"\nSmolLM2-135M f32 decode, {args.tokens} tokens, {args.threads} threads in all (tokens/s)")
-        for name, rate in figures["decode_tokens_per_s"].items():
-            print(f"  {name:10s} {rate:6.1f}")
+        for name, row in figures["decode_tokens_per_s"].items():
+            print(f"  {name:10s} {row['tokens_per_s']:6.1f}   rank 0 weights {row['rank0_weights_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

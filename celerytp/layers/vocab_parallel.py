@@ -28,7 +28,9 @@ def vocab_shards(tp: TPContext, vocab_size: int) -> list[tuple[int, int]]:
     """(start, count) of every rank's vocabulary slice (uneven: the first ranks get one more)."""
     shards = [split_units(r, tp.world_size, vocab_size) for r in range(tp.world_size)]
     if any(count == 0 for _, count in shards):
-        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"vocab size {vocab_size} cannot be split over {tp.world_size} ranks")
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED, f"vocab size {vocab_size} cannot be split over {tp.world_size} ranks"
+        )
     return shards
 
 
