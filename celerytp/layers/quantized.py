@@ -148,6 +148,22 @@ class QuantizedWeight(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of the weight in the compute dtype, dequantizing only those rows
+        (an embedding lookup). int4pack's tiled layout has no row access: not offered for it."""
+        flat = ids.reshape(-1)
+        if self.kernel == "float":
+            w = self.w[flat]
+        elif self.kernel == "int8pack":
+            w = self.q[flat].float() * self.scale[flat].float()[:, None]
+        elif self.kernel == "dequant":
+            b = {k: None if v is None else v[flat] for k, v in self._buffers.items() if k in ("q", "scale", "zero")}
+            w = dequantize_layout(b, self.offset)
+        else:
+            raise ValueError(f"{self.kernel} layout has no row lookup")
+        return w.to(self.dtype).view(*ids.shape, self.in_features)
+
+
 # ---- layouts and kernels (pure functions of tensors, testable alone) -----------------------------
 
 

@@ -6,7 +6,8 @@ both the memory and that read by the world size, for two small collectives per f
 embedding looks up the ids it owns, zeroes the others and all-reduces (exact: one term per
 position is non-zero); the LM head computes its slice of the logits and all-gathers them, so
 every rank returns the same full logits as before. Tied weights stay one tensor per rank:
-the LM head shares the embedding's slice.
+the LM head shares the embedding's slice. A quantized load keeps the embedding in q8_0
+(`embedding_format`), so a tied LM head runs through the int8 kernel.
 """
 
 from __future__ import annotations
@@ -40,32 +41,68 @@ def _param(rows: int, cols: int, *, dtype: torch.dtype, device: torch.device, sh
     return p
 
 
+def embedding_format(quant: QuantFormat | None, hidden_size: int) -> QuantFormat | None:
+    """How a quantized load keeps the embedding: a float format as asked, a block format as q8_0.
+
+    q8_0 because its layouts (int8 rows + a scale, or codes + scales per block) let a lookup
+    dequantize only the rows it reads, while the int4 kernel's tiled packing does not; it is
+    also the type GGUF files usually ship token_embd in (SmolLM2's Q4_1 file does), so its blocks
+    load as they are. None (the compute dtype) for float loads or rows that are not whole blocks.
+    """
+    if quant is None or quant.float_dtype is not None:
+        return quant
+    q8_0 = QuantFormat.of("q8_0")
+    return q8_0 if hidden_size % q8_0.block_size == 0 else None
+
+
 class VocabParallelEmbedding(nn.Module):
     """The token embedding, rows split by vocabulary over the ranks.
 
     Args:
         vocab_size, hidden_size: the full matrix's shape.
         tp: the rank's tensor-parallel context.
+        quant: keep the slice in this format (see `embedding_format`); lookups dequantize rows.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext, *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: QuantFormat | None = None,
+    ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.shards = vocab_shards(tp, vocab_size)
         self.start, self.count = self.shards[tp.rank]
-        self.weight = _param(self.count, hidden_size, dtype=dtype, device=device, sharded=tp.world_size > 1)
+        sharded = tp.world_size > 1
+        self.qweight = None
+        if quant:
+            self.qweight = QuantizedWeight(quant, self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
+        self.weight = _param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
         check_shape(source, (self.vocab_size, self.hidden_size))
-        copy_into(param.data, source.read(rows=(self.start, self.start + self.count)), source.name)
+        rows = (self.start, self.start + self.count)
+        if self.qweight is not None:
+            return self.qweight.load(source, 0, rows=rows)
+        copy_into(param.data, source.read(rows=rows), source.name)
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.rows(local_ids)
+        return F.embedding(local_ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.count)  # ids another rank owns
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, D)
+        h = self.lookup(local.masked_fill(outside, 0))  # (B, T, D)
         return self.tp.all_reduce(h.masked_fill(outside[..., None], 0.0))
 
 
@@ -75,8 +112,8 @@ class ParallelLMHead(nn.Module):
     Args:
         hidden_size, vocab_size: the full matrix's shape (vocab_size, hidden_size).
         tp: the rank's tensor-parallel context.
-        tied: share this embedding's slice instead of holding a weight.
-        quant: keep an untied weight's slice quantized (a tied one stays the embedding).
+        tied: share this embedding's slice (float or quantized) instead of holding a weight.
+        quant: keep an untied weight's slice quantized (a tied one is the embedding's).
     """
 
     def __init__(
@@ -95,8 +132,8 @@ class ParallelLMHead(nn.Module):
         self.shards = vocab_shards(tp, vocab_size)
         self.start, self.count = self.shards[tp.rank]
         self.qweight = None
-        if tied is not None:
-            self.weight = tied.weight
+        if tied is not None:  # the embedding's slice, in whatever form it is kept
+            self.weight, self.qweight = tied.weight, tied.qweight
             return
         sharded = tp.world_size > 1
         if quant:

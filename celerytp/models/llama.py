@@ -15,7 +15,7 @@ from celerytp.layers.linear import (
 from celerytp.layers.norm import RMSNorm
 from celerytp.layers.partition import split_heads, split_intermediate
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
-from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, embedding_format
 from celerytp.models.base import BuildOptions, CausalLM, cache_rows
 from celerytp.models.config import ModelConfig
 
@@ -108,7 +108,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: BuildOptions, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         common = {"dtype": options.dtype, "device": options.device}
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, options.tp, **common)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, options.tp,
+            quant=embedding_format(options.quant, config.hidden_size), **common,
+        )
         self.layers = nn.ModuleList(layer_cls(config, options) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.rotary_emb = RotaryEmbedding(config.head_dim, options.max_context, config.rope, device=options.device)
