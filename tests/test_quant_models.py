@@ -60,18 +60,24 @@ def kernel(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> s
 
 
 def _quantized_reference(model: Any, quant: str) -> Any:
-    """A copy of `model` whose linear weights are what `quant` stores, dequantized by gguf."""
+    """A copy of `model` whose linear weights are what `quant` stores, dequantized by gguf; the
+    embedding (and a tied lm_head with it) as a quantized load keeps it: q8_0 for block formats."""
     ref = type(model)(model.config).eval()
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if not (name.endswith("_proj.weight") or (name == "lm_head.weight" and not model.config.tie_word_embeddings)):
+            linear = name.endswith("_proj.weight") or (name == "lm_head.weight" and not model.config.tie_word_embeddings)
+            if name == "model.embed_tokens.weight":
+                quant_here = quant if quant in ("f16", "bf16") else "q8_0"
+            elif linear:
+                quant_here = quant
+            else:
                 continue
             w = p.detach().numpy()
-            if quant in GGML:
-                back = gguf.quants.dequantize(quantize_blocks(p, GGML[quant]).numpy(), GGML[quant])
+            if quant_here in GGML:
+                back = gguf.quants.dequantize(quantize_blocks(p, GGML[quant_here]).numpy(), GGML[quant_here])
             else:
-                back = torch.from_numpy(w).to({"f16": torch.float16, "bf16": torch.bfloat16}[quant]).float().numpy()
+                back = torch.from_numpy(w).to({"f16": torch.float16, "bf16": torch.bfloat16}[quant_here]).float().numpy()
             p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
     return ref
 
@@ -103,7 +109,11 @@ def test_quant_on_each_architecture(hf_dirs: dict, arch: str, quant: str, kernel
     ours_model = load_model(path, TPContext(), quant=quant.upper())
     qweights = [m for m in ours_model.modules() if isinstance(m, QuantizedWeight)]
     untied = not model.config.tie_word_embeddings
-    assert len(qweights) == 4 * COMMON["num_hidden_layers"] + untied  # qkv, o, gate_up, down (+ lm_head)
+    # qkv, o, gate_up, down per layer, the embedding (+ an untied lm_head; a tied one is the embedding's)
+    assert len(qweights) == 4 * COMMON["num_hidden_layers"] + 1 + untied
+    embedding = ours_model.model.embed_tokens.qweight
+    assert embedding.fmt.name == (quant if quant in ("f16", "bf16") else "q8_0")
+    qweights = [m for m in qweights if m is not embedding]  # the linears: checked below
     ours = our_greedy(ours_model, prompt, STEPS)
     exact = kernel == "dequant" or quant in ("f16", "bf16")
     if exact:
