@@ -5,7 +5,8 @@ Run: python benchmarks/collectives.py [--threads 2] [--tokens 64] [--repeats 3] 
 All in one run:
 - all-reduce median latency of float32 tensors of 2 KiB, 64 KiB and 1 MiB between 2 and 3
   spawned processes (one intra-op thread each), gloo and shared memory on the same group;
-- SmolLM2-135M float32 decode tokens/s at TP 1, 2 and 3, shared memory on and off, with the same
+- SmolLM2-135M decode tokens/s (float32; with --quant keep also the file's Q4_1 blocks kept) at TP 1, 2 and 3,
+  shared memory on and off, with the same
   total threads (--threads divided among the ranks), through the bare SPMD serving loop
   (celerytp.worker.serving driven by torch.distributed directly: no Celery, no Redis), one greedy
   request of --tokens tokens (prefill included), median of --repeats after a warm-up; with rank
@@ -68,11 +69,12 @@ def _latency_rank(rank: int, world_size: int, init_file: str, out) -> None:
 
 
 def _decode_rank(rank: int, world_size: int, init_file: str, use_shm: bool, threads: int, args, out) -> None:
+    """One greedy request through the serving loop; `args.quant` f32 or keep (the file's blocks)."""
     from celerytp.models import load_model
     from celerytp.worker.serving import ListSource, ServingLoop
 
     tp = _init(rank, world_size, init_file, use_shm and world_size > 1, threads)
-    model = load_model(default_model_path(), tp, max_batch=1, quant="f32")
+    model = load_model(default_model_path(), tp, max_batch=1, quant=None if args.quant == "keep" else args.quant)
     prompt = load_tokenizer(default_model_path()).encode(PROMPT)
     spec = GenSpec(request_id="bench", prompt=prompt, max_tokens=args.tokens)  # no eos ids: runs to --tokens
     times = []
@@ -105,25 +107,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--quant", nargs="+", default=["f32", "keep"], help="decode weights: f32 and/or keep (Q4_1)")
     args = parser.parse_args()
     figures: dict = {"latency_us": {}, "decode_tokens_per_s": {}, "threads": args.threads, "tokens": args.tokens}
     for world_size in (2, 3):
         figures["latency_us"][world_size] = _spawn(_latency_rank, world_size)
     if not args.skip_decode:
-        for world_size in (1, 2, 3):
-            for use_shm in (False, True) if world_size > 1 else (False,):
-                threads = max(1, args.threads // world_size)
-                figures["decode_tokens_per_s"][f"tp{world_size}{' shm' if use_shm else ''}"] = _spawn(
-                    _decode_rank, world_size, use_shm, threads, args
-                )
+        for quant in args.quant:
+            for world_size in (1, 2, 3):
+                for use_shm in (False, True) if world_size > 1 else (False,):
+                    threads = max(1, args.threads // world_size)
+                    run = argparse.Namespace(**{**vars(args), "quant": quant})
+                    name = f"{quant} tp{world_size}{' shm' if use_shm else ''}"
+                    figures["decode_tokens_per_s"][name] = _spawn(_decode_rank, world_size, use_shm, threads, run)
     print(json.dumps(figures))
     print("\nall-reduce median latency (us), float32")
     for world_size, row in figures["latency_us"].items():
         print(f"  {world_size} ranks: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
     if figures["decode_tokens_per_s"]:
-        print(f"\nSmolLM2-135M f32 decode, {args.tokens} tokens, {args.threads} threads in all (tokens/s)")
+        print(f"\nSmolLM2-135M decode, {args.tokens} tokens, {args.threads} threads in all (tokens/s)")
         for name, row in figures["decode_tokens_per_s"].items():
-            print(f"  {name:10s} {row['tokens_per_s']:6.1f}   rank 0 weights {row['rank0_weights_mib']:.0f} MiB")
+            print(f"  {name:16s} {row['tokens_per_s']:6.1f}   rank 0 weights {row['rank0_weights_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":
