@@ -1,16 +1,15 @@
 """Collectives: gloo vs shared memory between processes, and what it does to TP decode speed.
 
-Run: python benchmarks/collectives.py [--threads 2] [--tokens 64] [--repeats 3] [--skip-decode]
+Run: python benchmarks/collectives.py [--threads 2] [--tokens 64] [--repeats 3] [--quant f32 keep] [--skip-decode]
 
 All in one run:
 - all-reduce median latency of float32 tensors of 2 KiB, 64 KiB and 1 MiB between 2 and 3
   spawned processes (one intra-op thread each), gloo and shared memory on the same group;
-- SmolLM2-135M decode tokens/s (float32; with --quant keep also the file's Q4_1 blocks kept) at TP 1, 2 and 3,
-  shared memory on and off, with the same
-  total threads (--threads divided among the ranks), through the bare SPMD serving loop
-  (celerytp.worker.serving driven by torch.distributed directly: no Celery, no Redis), one greedy
-  request of --tokens tokens (prefill included), median of --repeats after a warm-up; with rank
-  0's weight bytes (CausalLM.memory_report).
+- SmolLM2-135M decode tokens/s at TP 1, 2 and 3, shared memory on and off, float32 and the
+  file's Q4_1 blocks kept (--quant f32 keep), with the same total threads (--threads divided
+  among the ranks), through the bare SPMD serving loop (celerytp.worker.serving driven by
+  torch.distributed directly: no Celery, no Redis): one greedy request of --tokens tokens
+  (prefill included), median of --repeats after a warm-up; with rank 0's weight bytes.
 
 Prints one JSON object and a readable table.
 """
