@@ -92,7 +92,8 @@ def test_uneven_and_replicated_shards_have_expected_shapes(cases: dict[str, Case
         assert tuple(attn.qkv_proj.weight.shape) == ((2 * kv_heads + 2 * kv_heads) * hd, 48)
         assert tuple(attn.o_proj.weight.shape) == (48, 2 * kv_heads * hd)
         assert tuple(model.model.layers[0].mlp.down_proj.weight.shape) == (48, 48)
-        assert tuple(model.model.embed_tokens.weight.shape) == (160, 48)  # replicated
+        assert tuple(model.model.embed_tokens.weight.shape) == (80, 48)  # vocab-parallel: 160 / 2
+        assert tuple(model.lm_head.weight.shape) == (80, 48)  # untied: its own slice
     hd = 32  # qwen3_tied: 8 q heads, 2 kv heads, head_dim 32
     starts = []
     for rank in range(4):
@@ -101,7 +102,8 @@ def test_uneven_and_replicated_shards_have_expected_shapes(cases: dict[str, Case
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
         assert tuple(attn.qkv_proj.weight.shape) == ((2 + 1 + 1) * hd, 64)
         assert attn.kv_cache.k.shape == (2, 1, 128 + 1, hd)  # served row + step row; positions + scratch
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one slice per rank
+        assert tuple(model.lm_head.weight.shape) == (40, 64)
         starts.append((attn.heads.q_start, attn.heads.kv_start))
     assert starts == [(0, 0), (2, 0), (4, 1), (6, 1)]
 

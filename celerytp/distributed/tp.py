@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from celerytp.distributed import shm
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -37,11 +40,46 @@ class TPContext:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over all ranks and return it."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            fast = self._shm(tensor)
+            if fast is not None:
+                fast.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` in place with rank `src`'s value and return it."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            fast = self._shm(tensor)
+            if fast is not None:
+                fast.broadcast(tensor, src)
+            else:
+                dist.broadcast(tensor, src=src, group=self.group)
         return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along the last dim in rank order (rank r's is
+        sizes[r] wide; uneven widths travel padded to the widest), on every rank."""
+        if self.world_size == 1:
+            return tensor
+        if tensor.shape[-1] != sizes[self.rank]:
+            raise ValueError(f"rank {self.rank}: last dim {tensor.shape[-1]} != its size {sizes[self.rank]}")
+        padded = F.pad(tensor, (0, max(sizes) - tensor.shape[-1])).contiguous()
+        fast = self._shm(padded)
+        if fast is not None:
+            parts = list(fast.all_gather(padded))
+        else:
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+
+    def _shm(self, tensor: torch.Tensor) -> shm.ShmGroup | None:
+        """The default group's shared-memory path when it is set up and the tensor is small.
+
+        Every rank takes the same path for the same call: the choice depends only on the
+        tensor's size, device and layout, which the ranks share.
+        """
+        fast = shm.active() if self.group is None else None
+        if fast is not None and fast.world_size == self.world_size and fast.fits(tensor):
+            return fast
+        return None

@@ -10,13 +10,12 @@ from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedEmbedding,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from celerytp.layers.norm import RMSNorm
 from celerytp.layers.partition import split_heads, split_intermediate
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
+from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from celerytp.models.base import BuildOptions, CausalLM, cache_rows
 from celerytp.models.config import ModelConfig
 
@@ -109,7 +108,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: BuildOptions, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         common = {"dtype": options.dtype, "device": options.device}
-        self.embed_tokens = ReplicatedEmbedding(config.vocab_size, config.hidden_size, **common)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, options.tp, **common)
         self.layers = nn.ModuleList(layer_cls(config, options) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.rotary_emb = RotaryEmbedding(config.head_dim, options.max_context, config.rope, device=options.device)
@@ -129,12 +128,13 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
         super().__init__(config, options)
         self.model = LlamaModel(config, options, self.decoder_layer_cls)
-        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
-        self.lm_head = ReplicatedLinear(
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(
             config.hidden_size,
             config.vocab_size,
+            options.tp,
             dtype=options.dtype,
             device=options.device,
-            tied_weight=tied,
+            tied=tied,
             quant=options.quant,
         )

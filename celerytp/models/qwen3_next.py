@@ -21,14 +21,13 @@ from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.layers.linear import (
     ColumnParallelLinear,
     OutputShard,
-    ReplicatedEmbedding,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from celerytp.layers.moe import RoutedExperts, SparseMoeBlock, SwiGLUMLP
 from celerytp.layers.partition import split_heads
 from celerytp.layers.recurrent_state import RecurrentState
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
+from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.base import BuildOptions, CausalLM, Progress, cache_rows, common_prefix
 from celerytp.models.hybrid_config import HybridConfig
@@ -142,7 +141,7 @@ class Qwen3NextModel(nn.Module):
     def __init__(self, config: HybridConfig, options: BuildOptions) -> None:
         super().__init__()
         common = {"dtype": options.dtype, "device": options.device}
-        self.embed_tokens = ReplicatedEmbedding(config.vocab_size, config.hidden_size, **common)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, options.tp, **common)
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, options, i) for i in range(config.num_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, options.max_context, config.rope, device=options.device)
@@ -172,9 +171,9 @@ class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, config: HybridConfig, options: BuildOptions) -> None:  # type: ignore[override]
         super().__init__(config, options)  # type: ignore[arg-type]
         self.model = Qwen3NextModel(config, options)
-        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
-        self.lm_head = ReplicatedLinear(
-            config.hidden_size, config.vocab_size, dtype=options.dtype, device=options.device, tied_weight=tied,
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(
+            config.hidden_size, config.vocab_size, options.tp, dtype=options.dtype, device=options.device, tied=tied,
             quant=options.quant,
         )
 

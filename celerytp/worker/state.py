@@ -16,6 +16,7 @@ import torch.distributed as dist
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import rendezvous_prefix
 from celerytp.core.liveness import read_owners
+from celerytp.distributed import shm
 from celerytp.distributed.store import RedisStore
 from celerytp.distributed.tp import TPContext
 from celerytp.worker.config import RankConfig
@@ -163,6 +164,8 @@ class RankState:
                 backend, store=store, rank=self.rank, world_size=self.world_size,
                 timeout=timedelta(seconds=timeout_s), **kwargs,
             )
+            if backend == "gloo":  # same-host CPU ranks: small collectives through shared memory
+                shm.attach(self.config.group, comm_id, self.rank, self.world_size, timeout_s)
         except Exception as exc:
             raise CeleryTPError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
         self.comm_id = comm_id
@@ -171,6 +174,7 @@ class RankState:
         return backend
 
     def destroy_group(self) -> None:
+        shm.detach()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

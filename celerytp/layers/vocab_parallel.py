@@ -1,0 +1,117 @@
+"""Vocab-parallel token embedding and LM head: each rank holds one contiguous slice of the vocabulary.
+
+The embedding and the LM head are the largest matrices of a small model (SmolLM2: 49152 x 576,
+108 MiB in float32) and every token reads the LM head whole. Splitting the vocabulary divides
+both the memory and that read by the world size, for two small collectives per forward: the
+embedding looks up the ids it owns, zeroes the others and all-reduces (exact: one term per
+position is non-zero); the LM head computes its slice of the logits and all-gathers them, so
+every rank returns the same full logits as before. Tied weights stay one tensor per rank:
+the LM head shares the embedding's slice. The embedding stays in the compute dtype; an untied
+LM head may be kept quantized like the linears.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.distributed.tp import TPContext
+from celerytp.layers.partition import split_units
+from celerytp.layers.quantized import QuantizedWeight
+from celerytp.layers.weights import check_shape, copy_into
+from celerytp.loading.checkpoint import TensorSource
+from celerytp.quant.formats import QuantPlan
+
+
+def vocab_shards(tp: TPContext, vocab_size: int) -> list[tuple[int, int]]:
+    """(start, count) of every rank's vocabulary slice (uneven: the first ranks get one more)."""
+    shards = [split_units(r, tp.world_size, vocab_size) for r in range(tp.world_size)]
+    if any(count == 0 for _, count in shards):
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED, f"vocab size {vocab_size} cannot be split over {tp.world_size} ranks"
+        )
+    return shards
+
+
+def _param(rows: int, cols: int, *, dtype: torch.dtype, device: torch.device, sharded: bool) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
+    p.tp_sharded = sharded  # read by CausalLM.memory_report
+    return p
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding, rows split by vocabulary over the ranks.
+
+    Args:
+        vocab_size, hidden_size: the full matrix's shape.
+        tp: the rank's tensor-parallel context.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
+        self.shards = vocab_shards(tp, vocab_size)
+        self.start, self.count = self.shards[tp.rank]
+        self.weight = _param(self.count, hidden_size, dtype=dtype, device=device, sharded=tp.world_size > 1)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
+        check_shape(source, (self.vocab_size, self.hidden_size))
+        copy_into(param.data, source.read(rows=(self.start, self.start + self.count)), source.name)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.count)  # ids another rank owns
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, D)
+        return self.tp.all_reduce(h.masked_fill(outside[..., None], 0.0))
+
+
+class ParallelLMHead(nn.Module):
+    """logits = x W^T with W's rows (the vocabulary) split over ranks, gathered whole on every rank.
+
+    Args:
+        hidden_size, vocab_size: the full matrix's shape (vocab_size, hidden_size).
+        tp: the rank's tensor-parallel context.
+        tied: share this embedding's slice instead of holding a weight.
+        quant: keep an untied weight's slice quantized (a tied one is the embedding's).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        tied: VocabParallelEmbedding | None = None,
+        quant: QuantPlan | None = None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
+        self.shards = vocab_shards(tp, vocab_size)
+        self.start, self.count = self.shards[tp.rank]
+        self.qweight = None
+        if tied is not None:  # the embedding's slice
+            self.weight = tied.weight
+            return
+        sharded = tp.world_size > 1
+        if quant:
+            self.qweight = QuantizedWeight(quant, self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
+        self.weight = _param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
+        check_shape(source, (self.vocab_size, self.hidden_size))
+        rows = (self.start, self.start + self.count)
+        if self.qweight is not None:
+            return self.qweight.load(source, 0, rows=rows)
+        copy_into(param.data, source.read(rows=rows), source.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight) if self.qweight is None else self.qweight(x)  # (..., V_local)
+        return self.tp.gather_last_dim(local, [count for _, count in self.shards])  # (..., V)
