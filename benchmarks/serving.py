@@ -115,6 +115,7 @@ def concurrency(leader, prompt_of, streams: int = 16, tokens: int = 64) -> dict:
 
 def run_rate(leader, prompt_of, requests: list[tuple[float, int, int]]) -> dict:
     records: list[dict] = []
+    failures: list[str] = []
     lock = threading.Lock()
     start = time.perf_counter()
 
@@ -123,8 +124,13 @@ def run_rate(leader, prompt_of, requests: list[tuple[float, int, int]]) -> dict:
         sent = time.perf_counter()
         stream = leader.stream("smol", prompt=prompt_of(prompt), max_tokens=output, temperature=0, ignore_eos=True)
         arrivals = []
-        for _ in stream:
-            arrivals.append(time.perf_counter())
+        try:
+            for _ in stream:
+                arrivals.append(time.perf_counter())
+        except Exception as exc:  # counted, not fatal: the figures say how many failed
+            with lock:
+                failures.append(repr(exc)[:200])
+            return
         with lock:
             records.append({"ttft": arrivals[0] - sent if arrivals else float("nan"), "arrivals": arrivals,
                             "tokens": stream.result.completion_tokens, "end": time.perf_counter()})
@@ -138,7 +144,7 @@ def run_rate(leader, prompt_of, requests: list[tuple[float, int, int]]) -> dict:
     gaps = [b - a for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     ttfts = [r["ttft"] for r in records]
     return {
-        "requests": len(records),
+        "requests": len(records), "failed": len(failures), "failures": failures[:3],
         "tokens_per_s": round(sum(r["tokens"] for r in records) / elapsed, 2),
         "ttft_p50_s": round(percentile(ttfts, 50), 3), "ttft_p95_s": round(percentile(ttfts, 95), 3),
         "itl_p50_ms": round(percentile(gaps, 50) * 1000, 1), "itl_p95_ms": round(percentile(gaps, 95) * 1000, 1),

@@ -14,6 +14,7 @@ import pytest
 
 from celerytp import Leader
 from celerytp.cluster import LocalCluster
+from celerytp.client import requests as requests_module
 from celerytp.client.requests import RequestQueues
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.liveness import HeartbeatTiming, RankWatch
@@ -130,8 +131,9 @@ def test_redis_restarted_between_requests(rel):
     assert "smol" in leader.held_models() and "smol" in leader.models()
 
 
-def test_a_request_redis_lost_fails_instead_of_waiting_for_its_deadline(rel):
+def test_a_request_redis_lost_fails_instead_of_waiting_for_its_deadline(rel, monkeypatch):
     cluster, _ = rel
+    monkeypatch.setattr(requests_module, "LOST_AFTER_S", 1.0)  # 15 s by default
     client = cluster.leader.redis
     timing = HeartbeatTiming.from_env()
     queues = RequestQueues(client, "lost", lambda model, loop: None, lambda: RankWatch(client, "lost", [], timing))

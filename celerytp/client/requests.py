@@ -24,6 +24,7 @@ from celerytp.core.redis_scripts import RESTART_IF_STRANDED, SUBMIT
 
 LOOP_START_TTL_S = 120  # the loop flag until the loop's rank 0 takes it over (it may queue behind an op)
 STRANDED_CHECK_S = 0.5  # how often a waiter with no news checks that a loop will take its request
+LOST_AFTER_S = 15.0  # nowhere (not queued, no loop flag, no stream) this long: Redis lost the request
 CANCEL_TTL_S = 600
 
 StartLoop = Callable[[str, str], None]  # (model_id, loop_id): publish a serve chord
@@ -124,7 +125,7 @@ class RequestQueues:
                         checked = now
                         self._check_ranks(model_id, item, watch)
                         missing = 0 if self.ensure_loop(model_id, request_id, item) else missing + 1
-                        if missing >= 2:  # twice in a row, STRANDED_CHECK_S apart: not a race
+                        if missing * STRANDED_CHECK_S > LOST_AFTER_S:  # for longer than any flag refresh gap
                             raise CeleryTPError(
                                 ErrorKind.INTERNAL,
                                 f"request {request_id} was lost: it is neither queued nor running (did Redis restart?)",

@@ -6,7 +6,6 @@ from celerytp.layers.linear import (
     MergedColumnParallelLinear,
     OutputShard,
     QKVParallelLinear,
-    ReplicatedEmbedding,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -22,7 +21,6 @@ __all__ = [
     "OutputShard",
     "QKVParallelLinear",
     "RMSNorm",
-    "ReplicatedEmbedding",
     "ReplicatedLinear",
     "RopeConfig",
     "RotaryEmbedding",

@@ -23,7 +23,7 @@ from celerytp.layers.linear import RowParallelLinear
 from celerytp.layers.partition import HeadShard, split_linear_heads
 from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.recurrent_state import RecurrentState
-from celerytp.layers.weights import check_shape, copy_into
+from celerytp.layers.weights import check_shape, copy_into, empty_param
 from celerytp.loading.checkpoint import TensorSource
 from celerytp.quant.formats import QuantPlan
 
@@ -131,11 +131,6 @@ def load_pieces(param: torch.Tensor, source: TensorSource, pieces: list[Piece], 
         copy_into(param.data[dst : dst + n], source.read(rows=(src, src + n)), source.name)
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    p.tp_sharded = True  # read by CausalLM.memory_report
-    return p
-
 
 class WeightHolder(nn.Module):
     """A parameter with its own loader, under a module name the checkpoint uses."""
@@ -177,12 +172,12 @@ class GatedDeltaNet(nn.Module):
         # quant: the projections (in_proj, out_proj) are kept quantized; conv1d, A_log, dt_bias and
         # the norm are a few thousand numbers that stay float.
         shape = (0,) if quant else (layout.proj_size, dims.hidden_size)
-        self.in_proj = WeightHolder(_param(*shape, **common), self._load_in_proj)
+        self.in_proj = WeightHolder(empty_param(*shape, **common), self._load_in_proj)
         self.in_proj.qweight = QuantizedWeight(quant, layout.proj_size, dims.hidden_size, **common) if quant else None
-        self.conv1d = WeightHolder(_param(layout.conv_dim, 1, dims.conv_kernel, **common), self._load_conv)
-        self.A_log = _param(self.num_v, **common)
+        self.conv1d = WeightHolder(empty_param(layout.conv_dim, 1, dims.conv_kernel, **common), self._load_conv)
+        self.A_log = empty_param(self.num_v, **common)
         self.A_log.weight_loader = self._load_per_head
-        self.dt_bias = _param(self.num_v, **common)
+        self.dt_bias = empty_param(self.num_v, **common)
         self.dt_bias.weight_loader = self._load_per_head
         self.norm = GatedRMSNorm(dims.value_head_dim, dims.eps, **common)
         self.out_proj = RowParallelLinear(

@@ -16,7 +16,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import HeadShard
 from celerytp.layers.quantized import QuantizedWeight
-from celerytp.layers.weights import check_shape, copy_into, replicated_loader
+from celerytp.layers.weights import check_shape, copy_into, empty_param, replicated_loader
 from celerytp.loading.checkpoint import TensorSource
 from celerytp.quant.formats import QuantPlan
 
@@ -34,11 +34,6 @@ class OutputShard:
     start: int
     size: int
 
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device, sharded: bool) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    p.tp_sharded = sharded  # read by CausalLM.memory_report
-    return p
 
 
 class ColumnParallelLinear(nn.Module):
@@ -72,9 +67,9 @@ class ColumnParallelLinear(nn.Module):
             offset += shard.size
         self.output_size = offset  # local rows
         self.qweight = QuantizedWeight(quant, offset, input_size, dtype=dtype, device=device) if quant else None
-        self.weight = _param(*((0,) if quant else (offset, input_size)), dtype=dtype, device=device, sharded=True)
+        self.weight = empty_param(*((0,) if quant else (offset, input_size)), dtype=dtype, device=device, sharded=True)
         self.weight.weight_loader = self.weight_loader
-        self.bias = _param(offset, dtype=dtype, device=device, sharded=True) if bias else None
+        self.bias = empty_param(offset, dtype=dtype, device=device, sharded=True) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
@@ -175,10 +170,10 @@ class RowParallelLinear(nn.Module):
         if quant:
             self.qweight = QuantizedWeight(quant, output_size, self.local_size, dtype=dtype, device=device)
         shape = (0,) if quant else (output_size, self.local_size)
-        self.weight = _param(*shape, dtype=dtype, device=device, sharded=True)
+        self.weight = empty_param(*shape, dtype=dtype, device=device, sharded=True)
         self.weight.weight_loader = self.weight_loader
         # The bias is added once, after the reduction, so it is replicated, not split.
-        self.bias = _param(output_size, dtype=dtype, device=device, sharded=False) if bias else None
+        self.bias = empty_param(output_size, dtype=dtype, device=device, sharded=False) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = replicated_loader
 
@@ -224,7 +219,7 @@ class ReplicatedLinear(nn.Module):
             return
         if quant:
             self.qweight = QuantizedWeight(quant, output_size, input_size, dtype=dtype, device=device, sharded=False)
-        self.weight = _param(*((0,) if quant else (output_size, input_size)), dtype=dtype, device=device, sharded=False)
+        self.weight = empty_param(*((0,) if quant else (output_size, input_size)), dtype=dtype, device=device, sharded=False)
         self.weight.weight_loader = replicated_loader if quant is None else self._load_quantized
 
     def _load_quantized(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
@@ -233,15 +228,3 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight) if self.qweight is None else self.qweight(x)
-
-
-class ReplicatedEmbedding(nn.Module):
-    """The token embedding, whole on every rank."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _param(vocab_size, hidden_size, dtype=dtype, device=device, sharded=False)
-        self.weight.weight_loader = replicated_loader
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)

@@ -14,7 +14,8 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from celerytp.layers.linear import ReplicatedLinear
+from celerytp.layers.mlp import SwiGLUMLP
 from celerytp.layers.partition import split_intermediate
 from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.weights import check_shape, copy_into
@@ -23,41 +24,6 @@ from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import mlp_block
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate/up column-parallel and down row-parallel.
-
-    Args:
-        reduce_results: all-reduce in forward; False when the caller sums it with other
-            partial outputs first (the MoE block's shared expert).
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        tp: TPContext,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        reduce_results: bool = True,
-        quant: QuantPlan | None = None,
-    ) -> None:
-        super().__init__()
-        block = mlp_block(1, quant, intermediate_size, tp.world_size)
-        local = split_intermediate(tp.rank, tp.world_size, intermediate_size, block)
-        common = {"dtype": dtype, "device": device, "bias": False, "quant": quant}
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, intermediate_size, local, ("gate_proj", "up_proj"), **common
-        )
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, local, tp, reduce_results=reduce_results, **common
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., I_local) each
-        return self.down_proj(F.silu(gate) * up)
 
 
 class RoutedExperts(nn.Module):

@@ -20,7 +20,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import split_units
 from celerytp.layers.quantized import QuantizedWeight
-from celerytp.layers.weights import check_shape, copy_into
+from celerytp.layers.weights import check_shape, copy_into, empty_param
 from celerytp.loading.checkpoint import TensorSource
 from celerytp.quant.formats import QuantPlan
 
@@ -34,11 +34,6 @@ def vocab_shards(tp: TPContext, vocab_size: int) -> list[tuple[int, int]]:
         )
     return shards
 
-
-def _param(rows: int, cols: int, *, dtype: torch.dtype, device: torch.device, sharded: bool) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
-    p.tp_sharded = sharded  # read by CausalLM.memory_report
-    return p
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,7 +49,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.shards = vocab_shards(tp, vocab_size)
         self.start, self.count = self.shards[tp.rank]
-        self.weight = _param(self.count, hidden_size, dtype=dtype, device=device, sharded=tp.world_size > 1)
+        self.weight = empty_param(self.count, hidden_size, dtype=dtype, device=device, sharded=tp.world_size > 1)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
@@ -102,7 +97,7 @@ class ParallelLMHead(nn.Module):
         sharded = tp.world_size > 1
         if quant:
             self.qweight = QuantizedWeight(quant, self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
-        self.weight = _param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
+        self.weight = empty_param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:

@@ -7,9 +7,18 @@ up (param, shard_id) for a checkpoint name and calls it.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import TensorSource
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device, sharded: bool = True) -> nn.Parameter:
+    """An uninitialised, frozen parameter to load into; `sharded` (this rank holds a slice, not a
+    replica) is read by CausalLM.memory_report."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.tp_sharded = sharded
+    return p
 
 
 def check_shape(source: TensorSource, expected: tuple[int, ...]) -> None:

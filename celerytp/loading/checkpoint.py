@@ -101,7 +101,7 @@ class Checkpoint(ABC):
     @abstractmethod
     def source(self, name: str) -> TensorSource: ...
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most readers hold nothing to drop
+    def close(self) -> None:
         """Drop file handles and memory maps."""
 
     def __enter__(self) -> Checkpoint:

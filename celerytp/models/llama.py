@@ -8,12 +8,12 @@ from torch import nn
 
 from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
+from celerytp.layers.mlp import SwiGLUMLP
 from celerytp.layers.norm import RMSNorm
-from celerytp.layers.partition import split_heads, split_intermediate
+from celerytp.layers.partition import split_heads
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
 from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from celerytp.models.base import BuildOptions, CausalLM, cache_rows
@@ -68,24 +68,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(y)  # all-reduced over ranks
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP with gate/up split by columns and down_proj by rows."""
-
-    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
-        super().__init__()
-        tp = options.tp
-        local = split_intermediate(tp.rank, tp.world_size, config.intermediate_size, options.mlp_block)
-        common = {"dtype": options.dtype, "device": options.device, "bias": config.mlp_bias, "quant": options.quant}
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, config.intermediate_size, local, ("gate_proj", "up_proj"), **common
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, local, tp, **common)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I_local) each
-        return self.down_proj(F.silu(gate) * up)  # all-reduced over ranks
-
-
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
@@ -93,7 +75,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         norm = {"dtype": options.dtype, "device": options.device}
         self.self_attn = self.attention_cls(config, options)
-        self.mlp = LlamaMLP(config, options)
+        self.mlp = SwiGLUMLP(
+            config.hidden_size, config.intermediate_size, options.tp, dtype=options.dtype, device=options.device,
+            bias=config.mlp_bias, quant=options.quant, block=options.mlp_block,
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
 

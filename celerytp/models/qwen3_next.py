@@ -23,7 +23,8 @@ from celerytp.layers.linear import (
     OutputShard,
     RowParallelLinear,
 )
-from celerytp.layers.moe import RoutedExperts, SparseMoeBlock, SwiGLUMLP
+from celerytp.layers.mlp import SwiGLUMLP
+from celerytp.layers.moe import RoutedExperts, SparseMoeBlock
 from celerytp.layers.partition import split_heads
 from celerytp.layers.recurrent_state import RecurrentState
 from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
