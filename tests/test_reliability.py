@@ -13,9 +13,9 @@ import psutil
 import pytest
 
 from celerytp import Leader
-from celerytp.cluster import LocalCluster
 from celerytp.client import requests as requests_module
 from celerytp.client.requests import RequestQueues
+from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.liveness import HeartbeatTiming, RankWatch
 
