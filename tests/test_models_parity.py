@@ -21,6 +21,7 @@ from model_fixtures import (
     hf_greedy,
     make_hf_model,
     make_prompt,
+    our_greedy,
     run_job,
     run_ranks,
 )
@@ -145,3 +146,26 @@ def test_bfloat16_stays_close_to_float32(cases: dict[str, Case]) -> None:
         err = (logits - case.reference.prompt_logits).abs().max().item()
         scale = case.reference.prompt_logits.abs().max().item()
         assert err < 0.05 * scale, (name, err, scale)
+
+
+def test_half_precision_kv_cache_on_a_float32_model(cases: dict[str, Case]) -> None:
+    """kv_dtype bfloat16/float16 on float32 weights: half the cache bytes for the same shape,
+    logits near the reference (only K and V are rounded: ~3 significant digits in bf16), and
+    the positions that fit a budget double."""
+    from celerytp.models import load_model
+
+    case = cases["llama_gqa_bias"]
+    plain = load_model(case.path, TPContext(), max_context=32)
+    for kv_dtype, tolerance in ((torch.bfloat16, 0.02), (torch.float16, 0.005)):
+        model = load_model(case.path, TPContext(), max_context=32, kv_dtype=kv_dtype)
+        assert model.model.layers[0].self_attn.kv_cache.k.dtype == kv_dtype
+        assert model.memory_report()["kv_cache_bytes"] * 2 == plain.memory_report()["kv_cache_bytes"]
+        ours = our_greedy(model, case.prompt)
+        scale = case.reference.prompt_logits.abs().max().item()
+        err = (ours.prompt_logits - case.reference.prompt_logits).abs().max().item()
+        assert 0 < err < tolerance * scale, (kv_dtype, err, scale)
+        err = (ours.step_logits - case.reference.step_logits[: len(ours.step_logits)]).abs().max().item()
+        assert err < tolerance * scale, (kv_dtype, err, scale)
+    budget = plain.memory_report()["kv_cache_bytes"]
+    fits = load_model(case.path, TPContext(), kv_cache_bytes=budget).max_context
+    assert load_model(case.path, TPContext(), kv_cache_bytes=budget, kv_dtype=torch.bfloat16).max_context == 2 * fits

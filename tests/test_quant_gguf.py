@@ -162,15 +162,15 @@ def test_q4_k_m_mix_keeps_each_tensors_type(files: dict) -> None:
     prompt = make_prompt(COMMON["vocab_size"], 10)
     model = load_model(path, TPContext(), max_context=32)
     types, fallbacks = quant_summary(model)
-    assert {t: v["tensors"] for t, v in types.items()} == {"q4_k": 3, "q6_k": 1, "q5_0": 8, "q8_0": 3} and not fallbacks
+    assert {t: v["tensors"] for t, v in types.items()} == {"q4_k": 3, "q6_k": 1, "q5_0": 8, "q8_0": 4} and not fallbacks
     assert all(v["bytes"] > 0 for v in types.values())
     _check(our_greedy(model, prompt, STEPS), ref, "mixed TP1", exact=False)
     for rank in range(2):  # TP 2: o_proj's 128 columns per rank cut q4_k super-blocks
         types, fallbacks = quant_summary(load_model(path, TPContext(rank, 2), max_context=32))
-        assert {t: v["tensors"] for t, v in types.items()} == {"q4_k": 1, "q6_k": 1, "q5_0": 10, "q8_0": 3}
+        assert {t: v["tensors"] for t, v in types.items()} == {"q4_k": 1, "q6_k": 1, "q5_0": 10, "q8_0": 4}
         assert [f.split(":")[0] for f in fallbacks] == [f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)]
     # quant given: everything quantizable requantized to it (q4_k where 256-blocks fit, else q5_0).
     model = load_model(path, TPContext(), quant="q4_k", max_context=32)
     types, fallbacks = quant_summary(model)
-    assert model.quant == "q4_k" and set(types) == {"q4_k", "q5_0"}
+    assert model.quant == "q4_k" and set(types) == {"q4_k", "q5_0", "q8_0"}  # q8_0: the embedding
     assert types["q4_k"]["tensors"] == 4 and len(fallbacks) == 11  # 256/512-input tensors keep q4_k

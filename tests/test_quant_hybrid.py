@@ -75,10 +75,12 @@ QUANTIZED = (
 
 
 def _dequantized_copy(src: Path, dst: Path, qtype: T) -> None:
+    """The checkpoint as a `quant` load keeps it, dequantized: linears in `qtype`, the embedding in q8_0."""
     tensors = load_file(str(src / "model.safetensors"))
     for name, t in tensors.items():
-        if t.dim() == 2 and name.endswith(QUANTIZED):
-            tensors[name] = dequantize_blocks(quantize_blocks(t.float(), qtype), qtype).to(t.dtype)
+        kept = T.Q8_0 if name.endswith("embed_tokens.weight") else qtype if name.endswith(QUANTIZED) else None
+        if t.dim() == 2 and kept is not None:
+            tensors[name] = dequantize_blocks(quantize_blocks(t.float(), kept), kept).to(t.dtype)
     dst.mkdir()
     shutil.copy(src / "config.json", dst / "config.json")
     save_file(tensors, str(dst / "model.safetensors"))
@@ -139,7 +141,7 @@ def test_hybrid_quantized_tp1(checkpoints: dict, name: str, quant: str, kernel: 
     path, prompt, refs = checkpoints[name]
     model = load_model(path, TPContext(), quant=quant, max_context=64)
     types, fallbacks = quant_summary(model)
-    assert model.quant == quant and set(types) == {quant} and not fallbacks
+    assert model.quant == quant and set(types) == {quant, "q8_0"} and not fallbacks  # q8_0: the embedding
     qw = {n for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
     assert "model.layers.0.linear_attn.in_proj.qweight" in qw and "model.layers.0.linear_attn.out_proj.qweight" in qw
     assert "model.layers.1.self_attn.qkv_proj.qweight" in qw and "lm_head.qweight" in qw
@@ -165,7 +167,7 @@ def test_hybrid_quantized_tp2(checkpoints: dict, tmp_path: Path, monkeypatch: py
     types, fallbacks = quant_summary(
         load_model(checkpoints["qwen3_next"][0], TPContext(1, 2), quant="q4_k", max_context=64)
     )
-    assert set(types) == {"q4_k", "q5_0"}
+    assert set(types) == {"q4_k", "q5_0", "q8_0"}
     assert (
         "model.layers.0.linear_attn.out_proj.weight: q4_k -> q5_0 (columns 128:256 are not whole 256-blocks)"
         in fallbacks

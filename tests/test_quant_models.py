@@ -68,18 +68,24 @@ def kernel(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> s
 
 
 def _quantized_reference(model: Any, quant: str) -> Any:
-    """A copy of `model` whose linear weights are what `quant` stores, dequantized by gguf."""
+    """A copy of `model` whose linear weights are what `quant` stores, dequantized by gguf; the
+    embedding (and a tied lm_head with it) as a quantized load keeps it: q8_0 for block formats."""
     ref = type(model)(model.config).eval()
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if not (name.endswith("_proj.weight") or (name == "lm_head.weight" and not model.config.tie_word_embeddings)):
+            linear = name.endswith("_proj.weight") or (name == "lm_head.weight" and not model.config.tie_word_embeddings)
+            if name == "model.embed_tokens.weight":
+                quant_here = quant if quant in ("f16", "bf16") else "q8_0"
+            elif linear:
+                quant_here = quant
+            else:
                 continue
             w = p.detach().numpy()
-            if quant in GGML:
-                back = dequantize_blocks(quantize_blocks(p, GGML[quant]), GGML[quant]).numpy()  # gguf's, bit for bit
+            if quant_here in GGML:
+                back = dequantize_blocks(quantize_blocks(p, GGML[quant_here]), GGML[quant_here]).numpy()  # gguf's
             else:
-                back = torch.from_numpy(w).to({"f16": torch.float16, "bf16": torch.bfloat16}[quant]).float().numpy()
+                back = torch.from_numpy(w).to({"f16": torch.float16, "bf16": torch.bfloat16}[quant_here]).float().numpy()
             p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
     return ref
 
@@ -119,7 +125,11 @@ def test_quant_on_each_architecture(hf_dirs: dict, arch: str, quant: str, kernel
     ours_model = load_model(path, TPContext(), quant=quant.upper())
     qweights = [m for m in ours_model.modules() if isinstance(m, QuantizedWeight)]
     untied = not model.config.tie_word_embeddings
-    assert len(qweights) == 4 * COMMON["num_hidden_layers"] + untied  # qkv, o, gate_up, down (+ lm_head)
+    # qkv, o, gate_up, down per layer, the embedding (+ an untied lm_head; a tied one is the embedding's)
+    assert len(qweights) == 4 * COMMON["num_hidden_layers"] + 1 + untied
+    embedding = ours_model.model.embed_tokens.qweight
+    assert [p.fmt.name for p in embedding.parts] == [quant if quant in ("f16", "bf16") else "q8_0"]
+    qweights = [m for m in qweights if m is not embedding]  # the linears: checked below
     assert ours_model.quant == quant and all(len(m.parts) == 1 and not m.fallbacks for m in qweights)
     ours = our_greedy(ours_model, prompt, STEPS)
     exact = kernel == "dequant" or quant in ("f16", "bf16")
@@ -127,7 +137,8 @@ def test_quant_on_each_architecture(hf_dirs: dict, arch: str, quant: str, kernel
         assert {p.kernel for p in _parts(ours_model)} <= {"dequant", "float"}
         assert_matches(ours, ref, f"{arch} {quant}", atol=1e-4)
     else:
-        assert {p.kernel for p in _parts(ours_model)} == {"int4pack" if quant in INT4 else "int8pack"}
+        assert {p.kernel for m in qweights for p in m.parts} == {"int4pack" if quant in INT4 else "int8pack"}
+        assert {p.kernel for p in embedding.parts} == {"int8pack" if model.config.tie_word_embeddings else "dequant"}
         scale = ref.prompt_logits.abs().max()
         err = (ours.prompt_logits - ref.prompt_logits).abs().max() / scale
         assert err < FAST_RTOL, f"{arch} {quant}: prompt logits off by {err:.3g} of max"
@@ -291,7 +302,8 @@ def test_smollm2_q4_1_kept_quantized_with_tp(smol_float: tuple[list[int], Greedy
     results = _run_ranks(world, default_model_path(), prompt, 20, kernel, ref.tokens[:10], tmp_path)
     logits, steps, tokens = results[0]["greedy"]
     ours = Greedy(logits, steps, tokens)
-    assert all(r["kernels"] == [("int4pack" if kernel == "auto" else "dequant")] for r in results)
+    # Q4_1 linears on int4pack; the file's Q8_0 embedding (tied head) on int8pack
+    assert all(r["kernels"] == (["int4pack", "int8pack"] if kernel == "auto" else ["dequant"]) for r in results)
     if kernel == "dequant":
         assert_matches(ours, ref, f"TP{world} exact", atol=SMOL_EXACT_ATOL)
     else:

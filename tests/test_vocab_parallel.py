@@ -161,3 +161,37 @@ def test_uneven_slices_cover_the_vocabulary_without_a_process_group() -> None:
         assert head.weight is emb.weight and (head.start, head.count) == (emb.start, emb.count)
         ends.append((emb.start, emb.start + emb.count))
     assert ends == [(0, 54), (54, 108), (108, 161)]
+
+
+def test_quantized_tied_embedding_and_lm_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF with a Q8_0 token_embd (tied) and Q8_0 linears, kept as the file ships it: one q8_0
+    tensor is both the embedding (rows dequantized on lookup) and the LM head.
+
+    Exact kernel (codes + scales): matches transformers' own GGUF dequantization within 1e-4.
+    int8 kernel (rows re-rounded to one scale, bfloat16 activations): logits within 0.1 of it
+    (bf16 keeps ~3 digits; logits O(1..10)) and the same first 10 greedy tokens.
+    """
+    from gguf import GGMLQuantizationType as T
+    from model_fixtures import GGUF_CONFIGS, hf_model_from_gguf, make_hf_model, our_greedy, write_gguf
+
+    from celerytp.models import load_model
+
+    model_type, kwargs = GGUF_CONFIGS["qwen3"]
+    assert kwargs["tie_word_embeddings"]
+    hf = make_hf_model(model_type, kwargs, seed=3)
+    path = write_gguf(hf, tmp_path / "m.gguf", {"token_embd": T.Q8_0, "attn_": T.Q8_0, "ffn_": T.Q8_0})
+    prompt = make_prompt(hf.config.vocab_size, seed=3)
+    ref = hf_greedy(hf_model_from_gguf(hf, path), prompt)
+    for kernel in ("dequant", "int8pack"):
+        monkeypatch.setenv(KERNEL_ENV, "dequant" if kernel == "dequant" else "auto")
+        model = load_model(path, TPContext(), max_context=64)  # quant None: the file's q8_0 kept
+        emb = model.model.embed_tokens
+        assert emb.qweight is not None and model.lm_head.qweight is emb.qweight
+        assert [p.kernel for p in emb.qweight.parts] == [kernel]
+        assert emb.weight.numel() == 0  # no float copy of the embedding
+        ours = our_greedy(model, prompt)
+        if kernel == "dequant":
+            assert_matches(ours, ref, "q8_0 tied, exact kernel")
+        else:
+            torch.testing.assert_close(ours.prompt_logits, ref.prompt_logits, atol=0.1, rtol=0)
+            assert ours.tokens[:10] == ref.tokens[:10]

@@ -115,6 +115,7 @@ class Leader:
         timeout: float = 1800.0,
         *,
         kv_cache_bytes: int | None = None,
+        kv_dtype: str | None = None,
         prefill_budget: int = 256,
         idle_s: float = 1.0,
         max_queue: int = 256,
@@ -122,7 +123,8 @@ class Leader:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
 
         Serving settings: `max_batch` requests decode together (KV cache rows), each rank's KV
-        cache stays within `kv_cache_bytes` (max_context, unless given, is what fits),
+        cache stays within `kv_cache_bytes` (max_context, unless given, is what fits) and is
+        stored in `kv_dtype` (default: the model's dtype; "bfloat16" halves a float32 cache),
         `prefill_budget` prompt tokens run per step beside the decoding rows, a serving loop
         ends `idle_s` after its last request, and past `max_queue` waiting requests a new one
         is refused as `overloaded`.
@@ -132,7 +134,7 @@ class Leader:
         path = os.path.abspath(path if path is not None else default_model_path())
         fields = {
             "path": path, "dtype": dtype, "max_context": max_context, "max_batch": max_batch, "quant": quant,
-            "kv_cache_bytes": kv_cache_bytes, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
+            "kv_cache_bytes": kv_cache_bytes, "kv_dtype": kv_dtype, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
         }
         self._ensure_group()
         return self._load(model_id, fields, progress, timeout)

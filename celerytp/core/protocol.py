@@ -72,6 +72,7 @@ class LoadRequest(Request):
     max_batch: Annotated[int, Field(ge=1, le=256)] = 16  # sequences served at once (KV cache rows)
     quant: Annotated[str, Field(min_length=1, max_length=16)] | None = None  # ggml type name; None: keep the file's
     kv_cache_bytes: Annotated[int, Field(ge=1)] | None = None  # KV cache budget per rank; None: the default
+    kv_dtype: DType | None = None  # the KV cache's dtype; None: the compute dtype
     prefill_budget: Annotated[int, Field(ge=1, le=1 << 16)] = 256  # prompt tokens per serving step
     idle_s: Annotated[float, Field(ge=0.01, le=600)] = 1.0  # a serving loop with no work ends after this
     max_queue: Annotated[int, Field(ge=1, le=1 << 20)] = 256  # leaders refuse requests past this many queued

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 LOAD_FIELDS = (
-    "path", "dtype", "quant", "max_context", "max_batch", "kv_cache_bytes", "prefill_budget", "idle_s", "max_queue",
+    "path", "dtype", "quant", "max_context", "max_batch", "kv_cache_bytes", "kv_dtype", "prefill_budget", "idle_s", "max_queue",
 )
 
 

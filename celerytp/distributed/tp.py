@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,13 @@ class TPContext:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        _CONTEXTS[id(self)] = self  # now: a compiled graph's custom ops only look it up
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` in place over all ranks and return it."""
+        """Sum `tensor` in place over all ranks and return it (inside a compiled graph: a new
+        tensor holding the sum, through the celerytp::all_reduce custom op)."""
+        if self.world_size > 1 and torch.compiler.is_compiling():
+            return torch.ops.celerytp.all_reduce(tensor, id(self))
         if self.world_size > 1:
             fast = self._shm(tensor)
             if fast is not None:
@@ -62,6 +67,8 @@ class TPContext:
         sizes[r] wide; uneven widths travel padded to the widest), on every rank."""
         if self.world_size == 1:
             return tensor
+        if torch.compiler.is_compiling():
+            return torch.ops.celerytp.gather_last_dim(tensor, id(self), sizes)
         if tensor.shape[-1] != sizes[self.rank]:
             raise ValueError(f"rank {self.rank}: last dim {tensor.shape[-1]} != its size {sizes[self.rank]}")
         padded = F.pad(tensor, (0, max(sizes) - tensor.shape[-1])).contiguous()
@@ -83,3 +90,31 @@ class TPContext:
         if fast is not None and fast.world_size == self.world_size and fast.fits(tensor):
             return fast
         return None
+
+
+# ---- the collectives as custom ops, so a compiled decode step is one graph ---------------------
+# torch.compile cannot trace into gloo or the shared-memory segment; as opaque custom ops the
+# collectives stay in the graph (no graph break per layer) and run eagerly when it executes.
+# The ops take only tensors and numbers, so they carry a context's id(); every TPContext is
+# entered here when it is made (held weakly: an id is not reused while its context lives).
+_CONTEXTS: weakref.WeakValueDictionary[int, TPContext] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("celerytp::all_reduce", mutates_args=())
+def _all_reduce_op(tensor: torch.Tensor, key: int) -> torch.Tensor:
+    return _CONTEXTS[key].all_reduce(tensor.clone())
+
+
+@_all_reduce_op.register_fake
+def _(tensor: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+@torch.library.custom_op("celerytp::gather_last_dim", mutates_args=())
+def _gather_last_dim_op(tensor: torch.Tensor, key: int, sizes: list[int]) -> torch.Tensor:
+    return _CONTEXTS[key].gather_last_dim(tensor.contiguous(), sizes)
+
+
+@_gather_last_dim_op.register_fake
+def _(tensor: torch.Tensor, key: int, sizes: list[int]) -> torch.Tensor:
+    return tensor.new_empty(*tensor.shape[:-1], sum(sizes))

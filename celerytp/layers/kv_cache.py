@@ -104,6 +104,7 @@ class KVCache(nn.Module):
         num_kv_heads: this rank's KV heads.
         max_context: positions preallocated.
         head_dim: per-head size.
+        dtype: what the cache stores (bfloat16/float16 halve a float32 model's cache).
     """
 
     def __init__(
@@ -123,8 +124,10 @@ class KVCache(nn.Module):
         self.register_buffer("v", lazy_zeros(shape, dtype, device), persistent=False)
 
     def update(self, slots: CacheSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nkv, T, hd) at `slots`; return each row's keys/values 0..length-1."""
-        T = k.shape[2]
+        """Store k, v (B, nkv, T, hd) at `slots`; return each row's keys/values 0..length-1 in
+        k's dtype (a cache kept in another dtype is converted on the way in and out)."""
+        T, compute = k.shape[2], k.dtype
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         if T == 1:
             pos = slots.writes if slots.writes is not None else slots.positions[:, 0]  # (B,)
             self.k[slots.rows, :, pos] = k[:, :, 0]  # (B, nkv, hd)
@@ -136,8 +139,10 @@ class KVCache(nn.Module):
             self.v[rows, :, start : start + T] = v
         if slots.first_row is not None:
             rows = slice(slots.first_row, slots.first_row + k.shape[0])
-            return self.k[rows, :, : slots.length], self.v[rows, :, : slots.length]  # (B, nkv, L, hd) views
-        return self.k[slots.rows, :, : slots.length], self.v[slots.rows, :, : slots.length]  # gathered
+            keys, values = self.k[rows, :, : slots.length], self.v[rows, :, : slots.length]  # (B, nkv, L, hd) views
+        else:
+            keys, values = self.k[slots.rows, :, : slots.length], self.v[slots.rows, :, : slots.length]  # gathered
+        return keys.to(compute), values.to(compute)
 
     @property
     def nbytes(self) -> int:

@@ -35,12 +35,12 @@ from torch import nn
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Range, TensorSource
 from celerytp.quant.blocks import QK, Unpacked, quantize_blocks, unpack_blocks
-from celerytp.quant.formats import QuantFormat, QuantPlan
+from celerytp.quant.formats import GGML_TYPES, TILED_FORMATS, QuantFormat, QuantPlan
 
 log = logging.getLogger(__name__)
 T = GGMLQuantizationType
 KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
-INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+INT4_TYPES = tuple(GGML_TYPES[name] for name in TILED_FORMATS)
 PROBE_RTOL = 0.02  # bf16 activations and scales: ~3 significant digits
 TILE_ELEMENTS = 1 << 22  # the dequant kernel rebuilds at most this many weights at a time
 
@@ -135,7 +135,7 @@ class QuantizedWeight(nn.Module):
                 f"{runs[-1].names}: only {runs[-1].start + runs[-1].data.shape[0]} of {self.out_features} rows loaded",
             )
         for run in runs:
-            self.parts.append(_Part(run.fmt, run.data, run.names, self.dtype, self.sharded))
+            self.parts.append(_Part(run.fmt, run.data, run.names, self.dtype, self.sharded, self.plan.exact))
 
     def summary(self) -> list[tuple[str, list[str], int]]:
         """(format, checkpoint tensors, bytes) per part."""
@@ -152,12 +152,19 @@ class QuantizedWeight(nn.Module):
             y = y + bias
         return y.reshape(*shape[:-1], self.out_features)
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of the weight in the compute dtype, dequantizing only those rows
+        (an embedding lookup). Needs one part whose layout has row access (not int4pack's tiles)."""
+        if len(self.parts) != 1:
+            raise ValueError(f"row lookup needs one format, this weight has {len(self.parts)}")
+        return self.parts[0].lookup(ids.reshape(-1)).to(self.dtype).view(*ids.shape, self.in_features)
+
 
 class _Part(nn.Module):
     """Consecutive output rows of a QuantizedWeight in one format and kernel layout."""
 
     def __init__(
-        self, fmt: QuantFormat, data: torch.Tensor, names: list[str], dtype: torch.dtype, sharded: bool
+        self, fmt: QuantFormat, data: torch.Tensor, names: list[str], dtype: torch.dtype, sharded: bool, exact: bool
     ) -> None:
         super().__init__()
         self.fmt, self.names, self.rows = fmt, names, data.shape[0]
@@ -168,7 +175,7 @@ class _Part(nn.Module):
         qtype = fmt.ggml_type
         unpacked = unpack_blocks(data, qtype)
         self.offset, self.group, self.in_features = unpacked.offset, unpacked.group, unpacked.q.shape[1]
-        kernel = preferred_kernel(qtype, data.device, dtype)
+        kernel = "dequant" if exact else preferred_kernel(qtype, data.device, dtype)
         if kernel != "dequant":
             try:
                 layout = make_layout(kernel, unpacked)
@@ -183,6 +190,17 @@ class _Part(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, rows={self.rows}, kernel={self.kernel}"
+
+    def lookup(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rows `flat` (1-D) of this part's weight, dequantized (float32 or the float dtype)."""
+        if self.kernel == "float":
+            return self.w[flat]
+        if self.kernel == "int8pack":
+            return self.q[flat].float() * self.scale[flat].float()[:, None]
+        if self.kernel == "dequant":
+            b = {k: None if v is None else v[flat] for k, v in self._buffers.items()}
+            return dequantize_layout(b, self.offset, self.group, self.in_features)
+        raise ValueError(f"{self.kernel} layout has no row lookup")
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel == "float":

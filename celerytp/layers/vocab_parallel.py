@@ -6,8 +6,9 @@ both the memory and that read by the world size, for two small collectives per f
 embedding looks up the ids it owns, zeroes the others and all-reduces (exact: one term per
 position is non-zero); the LM head computes its slice of the logits and all-gathers them, so
 every rank returns the same full logits as before. Tied weights stay one tensor per rank:
-the LM head shares the embedding's slice. The embedding stays in the compute dtype; an untied
-LM head may be kept quantized like the linears.
+the LM head shares the embedding's slice. A quantized load keeps the embedding quantized too
+(quant/plan.py `embedding_plan`): a lookup dequantizes only its rows, and a tied LM head runs on the same
+tensor through the quantized kernel. An untied LM head is kept like the linears.
 """
 
 from __future__ import annotations
@@ -42,26 +43,49 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         vocab_size, hidden_size: the full matrix's shape.
         tp: the rank's tensor-parallel context.
+        quant: keep the slice quantized (quant/plan.py `embedding_plan`); lookups dequantize
+            only their rows.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext, *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: QuantPlan | None = None,
+    ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.shards = vocab_shards(tp, vocab_size)
         self.start, self.count = self.shards[tp.rank]
-        self.weight = empty_param(self.count, hidden_size, dtype=dtype, device=device, sharded=tp.world_size > 1)
+        sharded = tp.world_size > 1
+        self.qweight = None
+        if quant is not None:
+            self.qweight = QuantizedWeight(quant, self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
+        self.weight = empty_param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
         check_shape(source, (self.vocab_size, self.hidden_size))
-        copy_into(param.data, source.read(rows=(self.start, self.start + self.count)), source.name)
+        rows = (self.start, self.start + self.count)
+        if self.qweight is not None:
+            return self.qweight.load(source, 0, rows=rows)
+        copy_into(param.data, source.read(rows=rows), source.name)
+
+    def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.lookup(local_ids)
+        return F.embedding(local_ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.count)  # ids another rank owns
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, D)
+        h = self.lookup(local.masked_fill(outside, 0))  # (B, T, D)
         return self.tp.all_reduce(h.masked_fill(outside[..., None], 0.0))
 
 
@@ -71,7 +95,7 @@ class ParallelLMHead(nn.Module):
     Args:
         hidden_size, vocab_size: the full matrix's shape (vocab_size, hidden_size).
         tp: the rank's tensor-parallel context.
-        tied: share this embedding's slice instead of holding a weight.
+        tied: share this embedding's slice (float or quantized) instead of holding a weight.
         quant: keep an untied weight's slice quantized (a tied one is the embedding's).
     """
 
@@ -91,8 +115,8 @@ class ParallelLMHead(nn.Module):
         self.shards = vocab_shards(tp, vocab_size)
         self.start, self.count = self.shards[tp.rank]
         self.qweight = None
-        if tied is not None:  # the embedding's slice
-            self.weight = tied.weight
+        if tied is not None:  # the embedding's slice, in whatever form it is kept
+            self.weight, self.qweight = tied.weight, tied.qweight
             return
         sharded = tp.world_size > 1
         if quant:

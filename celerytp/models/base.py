@@ -24,22 +24,26 @@ class BuildOptions:
 
     Args:
         tp: this rank's tensor-parallel context.
-        dtype: compute and storage dtype of weights and KV cache.
+        dtype: compute and storage dtype of float weights.
+        kv_dtype: storage dtype of the KV cache (attention reads it back in `dtype`).
         device: where tensors live.
         max_context: positions preallocated in the KV cache.
         max_batch: sequences served at once (KV cache rows; one more row is step mode's).
         mlp_block: the checkpoint's quant block along down_proj's columns (1 if unquantized),
             so MLP shards start on block boundaries.
         quant: keep sharded linears (and an untied lm_head) quantized as this plan says.
+        embedding_quant: keep the embedding (and a tied lm_head) quantized as this plan says.
     """
 
     tp: TPContext
     dtype: torch.dtype
+    kv_dtype: torch.dtype
     device: torch.device
     max_context: int
     max_batch: int = 1
     mlp_block: int = 1
     quant: QuantPlan | None = None
+    embedding_quant: QuantPlan | None = None
 
 
 class CausalLM(nn.Module):

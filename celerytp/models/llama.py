@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +48,9 @@ class LlamaAttention(nn.Module):
             quant=options.quant,
             **common,
         )
-        self.kv_cache = KVCache(cache_rows(options), self.num_kv_heads, options.max_context, hd, **common)
+        self.kv_cache = KVCache(
+            cache_rows(options), self.num_kv_heads, options.max_context, hd, dtype=options.kv_dtype, device=options.device
+        )
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Qwen3 normalizes each head here
@@ -93,16 +97,20 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, options: BuildOptions, layer_cls: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         common = {"dtype": options.dtype, "device": options.device}
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, options.tp, **common)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, options.tp, quant=options.embedding_quant, **common
+        )
         self.layers = nn.ModuleList(layer_cls(config, options) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.rotary_emb = RotaryEmbedding(config.head_dim, options.max_context, config.rope, device=options.device)
+        self.decode_layers: list[Callable[..., torch.Tensor]] | None = None  # compiled (models/compiled.py)
 
     def forward(self, ids: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         h = self.embed_tokens(ids)  # (B, T, D)
         cos, sin = self.rotary_emb(slots.positions, h.dtype)  # (B, T, hd) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): broadcast over heads
-        for layer in self.layers:
+        decoding = slots.writes is not None
+        for layer in self.decode_layers if decoding and self.decode_layers else self.layers:
             h = layer(h, cos, sin, slots)
         return self.norm(h)
 

@@ -5,19 +5,21 @@ from __future__ import annotations
 import os
 
 import torch
+from gguf import GGMLQuantizationType
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import split_heads, split_linear_heads
 from celerytp.loading import Checkpoint, open_checkpoint
 from celerytp.models.base import BuildOptions, CausalLM, Progress
+from celerytp.models.compiled import compile_decode, compile_requested
 from celerytp.models.config import ModelConfig
 from celerytp.models.hybrid_config import HybridConfig, config_from_hf
 from celerytp.models.llama import LlamaForCausalLM
 from celerytp.models.qwen3 import Qwen3ForCausalLM
 from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from celerytp.quant.formats import QuantPlan
-from celerytp.quant.plan import finish_loading, mlp_block, plan_name, resolve_quant
+from celerytp.quant.plan import embedding_plan, finish_loading, mlp_block, plan_name, resolve_quant
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # per rank; on CPU only the pages rows write become resident
 
@@ -43,6 +45,7 @@ def load_model(
     progress: Progress | None = None,
     quant: str | None = None,
     kv_cache_bytes: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file).
 
@@ -56,7 +59,7 @@ def load_model(
         plan = resolve_quant(quant, checkpoint, config.model_type, dtype)
         model = build_model(
             config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=plan,
-            kv_cache_bytes=kv_cache_bytes,
+            kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype,
         )
         loaded = model.load_weights(checkpoint, progress)
         finish_loading(model)
@@ -64,7 +67,10 @@ def load_model(
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
-    return model.eval()
+    model.eval()
+    if compile_requested():
+        compile_decode(model)  # now, not in the first request's step
+    return model
 
 
 def build_model(
@@ -78,25 +84,30 @@ def build_model(
     max_batch: int = 1,
     quant: QuantPlan | None = None,
     kv_cache_bytes: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks.
 
     The KV cache holds max_batch + 1 rows (step mode has its own) of max_context positions
-    within `kv_cache_bytes` per rank (default DEFAULT_KV_CACHE_BYTES): an unset max_context is
-    the largest that fits, up to the model's default; a set one that does not fit is refused.
+    within `kv_cache_bytes` per rank (default DEFAULT_KV_CACHE_BYTES), stored in `kv_dtype`
+    (default: the compute dtype): an unset max_context is the largest that fits, up to the
+    model's default; a set one that does not fit is refused.
     """
     model_cls = MODEL_REGISTRY.get(config.model_type)
     if model_cls is None:
         raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {config.model_type!r} has no implementation")
-    max_context = fit_context(config, tp.world_size, dtype, max_batch, max_context, kv_cache_bytes)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    max_context = fit_context(config, tp.world_size, kv_dtype, max_batch, max_context, kv_cache_bytes)
     options = BuildOptions(
         tp=tp,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         device=torch.device(device),
         max_context=max_context,
         max_batch=max_batch,
         mlp_block=mlp_block(_mlp_block(checkpoint, config), quant, getattr(config, "intermediate_size", 0), tp.world_size),
         quant=quant,
+        embedding_quant=embedding_plan(quant, _embedding_type(checkpoint), config.tie_word_embeddings),
     )
     return model_cls(config, options)
 
@@ -144,6 +155,12 @@ def fit_context(
             f" or raise kv_cache_bytes (at most {fits} positions fit)",
         )
     return max_context
+
+
+def _embedding_type(checkpoint: Checkpoint) -> GGMLQuantizationType | None:
+    """The ggml type the file stores the token embedding in (None: not a GGUF tensor)."""
+    name = "model.embed_tokens.weight"
+    return checkpoint.source(name).ggml_type if name in checkpoint.names() else None
 
 
 def _mlp_block(checkpoint: Checkpoint, config: ModelConfig | HybridConfig) -> int:

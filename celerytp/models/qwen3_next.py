@@ -67,7 +67,9 @@ class Qwen3NextAttention(nn.Module):
         )  # fmt: skip
         self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
         self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
-        self.kv_cache = KVCache(cache_rows(options), self.num_kv_heads, options.max_context, hd, **common)
+        self.kv_cache = KVCache(
+            cache_rows(options), self.num_kv_heads, options.max_context, hd, dtype=options.kv_dtype, device=options.device
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         B, T, _ = x.shape
@@ -142,7 +144,9 @@ class Qwen3NextModel(nn.Module):
     def __init__(self, config: HybridConfig, options: BuildOptions) -> None:
         super().__init__()
         common = {"dtype": options.dtype, "device": options.device}
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, options.tp, **common)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, options.tp, quant=options.embedding_quant, **common
+        )
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, options, i) for i in range(config.num_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **common)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, options.max_context, config.rope, device=options.device)

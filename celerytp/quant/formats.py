@@ -37,6 +37,10 @@ EXECUTABLE = tuple(GGML_TYPES)
 # so its same-size sibling Q4_0), then float in the compute dtype.
 FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "q8_k": "q8_0"}
 
+# Run by the int4pack kernel, whose tiled packing has no row access: a weight also read by rows
+# (a quantized embedding) keeps these as q8_0 instead.
+TILED_FORMATS = ("q4_0", "q4_1", "q4_k")
+
 FLOAT_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 DTYPE_FORMATS = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
 _BY_KEY = {name.replace("_", ""): name for name in GGML_TYPES} | {a.replace("_", ""): c for a, c in ALIASES.items()}
@@ -90,9 +94,15 @@ class QuantPlan:
     Args:
         target: every linear in this format (requantized as needed); None: each tensor keeps
             its GGUF type (float ones stay float in the compute dtype).
+        row_lookup: the weight is also read by rows (an embedding), so formats whose kernel packs
+            tiles (TILED_FORMATS) are kept as q8_0.
+        exact: keep the exact dequant layout instead of a fast kernel's (an untied embedding is
+            only read by rows, and a fast layout's re-rounding would cost accuracy for nothing).
     """
 
     target: QuantFormat | None = None
+    row_lookup: bool = False  # the weight is also read by rows (an embedding): no tiled formats
+    exact: bool = False  # keep the exact dequant layout (a weight only read by rows needs no matmul kernel)
 
     def format_for(
         self, file_type: GGMLQuantizationType | None, dtype: torch.dtype, start: int, size: int
@@ -102,6 +112,8 @@ class QuantPlan:
         wanted = self.target or (QuantFormat.of_type(file_type) if file_type is not None else None)
         if wanted is None or (wanted.float_dtype is not None and self.target is None):
             wanted = QuantFormat.of(DTYPE_FORMATS[dtype])  # a float tensor of the file: the compute dtype
+        if self.row_lookup and wanted.name in TILED_FORMATS:
+            wanted = QuantFormat.of("q8_0")
         fmt = wanted
         while not fmt.fits(start, size):
             fmt = QuantFormat.of(FALLBACK.get(fmt.name, DTYPE_FORMATS[dtype]))

@@ -58,6 +58,27 @@ def plan_name(plan: QuantPlan | None, model: nn.Module | None = None) -> str | N
     return "+".join(sorted(types, key=lambda t: -types[t]["bytes"])) or None
 
 
+def embedding_plan(
+    quant: QuantPlan | None, file_type: GGMLQuantizationType | None, tied: bool
+) -> QuantPlan | None:
+    """How a load keeps the token embedding (None: plain, in the compute dtype).
+
+    Quantized loads keep it quantized, never in a tiled int4 format (row lookups): a block
+    `quant` target becomes q8_0 (its int8 kernel runs a tied LM head), a float target stays that
+    float; a kept GGUF keeps the file's type (SmolLM2's Q4_1 file ships token_embd in Q8_0), q4
+    types as q8_0, and a float one plain. An untied embedding is only looked up, so it keeps the
+    exact layout of its blocks. Rows that are not whole blocks fall back as the linears' do.
+    """
+    if quant is None:
+        return None
+    target = quant.target
+    if target is None and (file_type is None or file_type in _FLOAT_TYPES):
+        return None
+    if target is not None and target.float_dtype is None:
+        target = QuantFormat.of("q8_0")
+    return QuantPlan(target, row_lookup=True, exact=not tied)
+
+
 def _file_has_blocks(checkpoint: Checkpoint) -> bool:
     """Whether some linear weight is stored in a block format (a GGUF quant type)."""
     for name in checkpoint.names():

@@ -94,6 +94,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
             max_context=request.max_context, max_batch=request.max_batch,
             progress=ProgressReporter(state, request.model_id),
             quant=request.quant, kv_cache_bytes=request.kv_cache_bytes,
+            kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None,
         )
     except CeleryTPError as exc:
         failure = exc

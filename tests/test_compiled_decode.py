@@ -1,0 +1,115 @@
+"""Compiled decode (CELERYTP_COMPILE=1) gives the eager decode's greedy ids and logits.
+
+Two cache rows decode together with prompts of different lengths (the ragged mask path), then
+one row alone (a passenger row). Layers compile with fullgraph=True, so a graph break (e.g. a
+collective the compiler cannot trace) would leave decode eager and fail the
+`decode_layers is not None` check. TP=2 runs the collectives as custom ops through shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
+
+from celerytp.distributed import shm
+from celerytp.distributed.tp import TPContext
+from celerytp.models import load_model
+from celerytp.models.compiled import COMPILE_ENV
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+
+
+def decode_both_rows(model, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy ids per row and every decode step's logits: both rows, then row 0 alone."""
+    ids: list[list[int]] = [[], []]
+    logits = []
+    for row, prompt in enumerate(prompts):
+        ids[row].append(int(model.forward_tokens(torch.tensor(prompt), 0, last_only=True, row=row).argmax()))
+    for step in range(STEPS):
+        active = [True, step < STEPS // 2]
+        out = model.decode([ids[0][-1], ids[1][-1]], active)  # (active rows, V)
+        logits.append(out[0])
+        for row, a in enumerate(active):
+            if a:
+                ids[row].append(int(out[row].argmax()))
+    return ids, torch.stack(logits)
+
+
+def eager_and_compiled(path: str, tp: TPContext, prompts: list[list[int]]) -> dict:
+    os.environ[COMPILE_ENV] = "0"
+    eager = decode_both_rows(load_model(path, tp, max_context=64, max_batch=2), prompts)
+    os.environ[COMPILE_ENV] = "1"
+    model = load_model(path, tp, max_context=64, max_batch=2)
+    compiled = model.model.decode_layers is not None
+    return {"eager": eager, "compiled": decode_both_rows(model, prompts), "is_compiled": compiled}
+
+
+def _check(result: dict) -> None:
+    assert result["is_compiled"], "decode fell back to eager (see the log for the graph break)"
+    (eager_ids, eager_logits), (ids, logits) = result["eager"], result["compiled"]
+    assert ids == eager_ids
+    torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]]]:
+    model_type, kwargs = TINY_CONFIGS["llama_gqa_bias"]
+    hf = make_hf_model(model_type, kwargs, seed=11)
+    path = tmp_path_factory.mktemp("compiled")
+    hf.save_pretrained(path)
+    vocab = hf.config.vocab_size
+    return str(path), [make_prompt(vocab, 7, seed=1), make_prompt(vocab, 4, seed=2)]
+
+
+def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]]]) -> None:
+    path, prompts = checkpoint
+    try:
+        _check(eager_and_compiled(path, TPContext(), prompts))
+    finally:
+        os.environ.pop(COMPILE_ENV, None)
+
+
+def _rank(rank: int, path: str, prompts: list[list[int]], init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=180))
+        assert shm.attach("compiled", "test", rank, 2, 180.0) is not None
+        result = eager_and_compiled(path, TPContext(rank, 2), prompts)
+        shm.detach()
+        dist.destroy_process_group()
+        torch.save(result, out)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def test_compiled_decode_matches_eager_tp2(checkpoint: tuple[str, list[list[int]]], tmp_path: Path) -> None:
+    path, prompts = checkpoint
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_rank, args=(r, path, prompts, str(tmp_path / "pg"), str(tmp_path)), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        if p.is_alive():
+            p.kill()
+    for r in range(2):
+        out = tmp_path / f"rank{r}.pt"
+        assert out.exists(), f"rank {r} wrote no result"
+        result = torch.load(out)
+        assert "error" not in result, result.get("error")
+        _check(result)
