@@ -84,7 +84,8 @@ def one(path: str, quant: str, threads: int, tokens: int, kernel: str, ref_file:
 
     gc.collect()
     rss = _rss()
-    q = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    embedding = model.model.embed_tokens.qweight  # kept q8_0 on quantized loads; not a linear
+    q = [m for m in model.modules() if isinstance(m, QuantizedWeight) and m is not embedding]
     linear_bytes = sum(b.nbytes for m in q for b in m.buffers())
     linear_params = sum(m.out_features * m.in_features for m in q)
     logits = model.forward_tokens(torch.tensor(PROMPT), 0)
