@@ -412,3 +412,107 @@ def run_ranks(world_size: int, jobs: list[Job], workdir: Path, timeout: float = 
             }
         )
     return results
+
+
+# ---- Qwen3-Next GGUF writing, as llama.cpp's convert_hf_to_gguf.py (Qwen3NextModel) does ------
+
+
+def _qwen3next_split_qkvz(w: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3NextModel.modify_tensors on in_proj_qkvz: [q, k, v, z] per key head -> attn_qkv
+    ([all q | all k | all v]) and attn_gate (all z), the converter's own steps."""
+    hk, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    split = [hk, hk, nv // nk * hv, nv // nk * hv]
+    data = w.permute(1, 0).contiguous().view(-1, nk, sum(split))  # (hidden, key heads, q+k+v+z)
+    q, k, v, z = torch.split(data, split, dim=-1)
+    q, k, v, z = (t.contiguous().view(cfg.hidden_size, -1) for t in (q, k, v, z))
+    return torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous(), z.permute(1, 0).contiguous()
+
+
+def _qwen3next_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """GGUF name -> tensor after the converter's modify_tensors (Qwen3NextModel, Qwen2MoeModel)."""
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, cfg.num_hidden_layers)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith(".A_log"):
+            t = -torch.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if "in_proj_qkvz.weight" in name:
+            qkv, z = _qwen3next_split_qkvz(t, cfg)
+            out[f"blk.{layer}.attn_qkv.weight"], out[f"blk.{layer}.attn_gate.weight"] = qkv, z
+        elif name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused experts: (E, 2 I, H), gate first
+            gate, up = t.split(t.shape[-2] // 2, dim=-2)
+            out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):  # (E, H, I), stacked as is
+            out[f"blk.{layer}.ffn_down_exps.weight"] = t
+        else:
+            out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
+    return out
+
+
+def write_qwen3next_gguf(model: Any, path: Path, quant: gguf.GGMLQuantizationType | None = None) -> Path:
+    """Write a transformers Qwen3-Next model as llama.cpp's converter would: its metadata keys
+    (TextModel, Qwen2MoeModel and Qwen3NextModel.set_gguf_parameters) and transformed tensors;
+    with `quant`, the linear weights (not norms, conv, router, embedding) in that type."""
+    cfg = model.config
+    full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
+    interval = full[0] + 1
+    assert cfg.layer_types == [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(cfg.num_hidden_layers)
+    ], "llama.cpp describes the layer kinds by full_attention_interval only"
+    w = gguf.GGUFWriter(str(path), "qwen3next")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+    linears = (
+        "attn_q.",
+        "attn_k.",
+        "attn_v.",
+        "attn_output",
+        "attn_qkv",
+        "attn_gate",
+        "ssm_ba",
+        "ssm_out",
+        "_exps",
+        "_shexp.",
+        "output.",
+    )
+    for name, t in _qwen3next_tensors(model).items():
+        data = np.ascontiguousarray(t.numpy(), dtype=np.float32)
+        if quant is not None and any(s in name for s in linears) and "gate_inp" not in name:
+            w.add_tensor(name, _quantize(data, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
