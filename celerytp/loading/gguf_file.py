@@ -1,4 +1,7 @@
-"""Single-file GGUF checkpoints (llama, qwen3, qwen3next): metadata as an HF config, block-aligned slice reads.
+"""Single-file GGUF checkpoints: metadata as an HF config, block-aligned slice reads.
+
+llama and qwen3 are translated here, the hybrid architectures (qwen3next, qwen35, qwen35moe) by
+gguf_hybrid.py on top of GGUFSource.
 
 GGUF stores a 2-D weight as rows of quant blocks; a rank's rows are a slice of the memory
 map, its columns a block-aligned byte range of each row. Only that slice is dequantized.
@@ -19,17 +22,9 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
 from celerytp.quant.blocks import dequantize_blocks
 
-SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3next")
-# Hybrid architectures: qwen3next is translated by celerytp/loading/gguf_hybrid.py. For Qwen3.5 the
-# converter (_LinearAttentionVReorderBase) also reorders the value heads, which nothing undoes yet.
-HYBRID_GGUF_MISSING = (
-    "the value heads reordered from grouped-by-key-head to tiled order (llama.cpp's "
-    "_LinearAttentionVReorderBase) in in_proj_qkv's V rows, in_proj_z, in_proj_b/a (ssm_beta/ssm_alpha), A_log "
-    "(ssm_a), dt_bias, conv1d's V channels and out_proj's columns, and the qwen35 metadata (rope.dimension_sections) as a "
-    "config"
-)
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3next", "qwen35", "qwen35moe")
+# Hybrid (Gated DeltaNet) architectures: their converter's rewrites are undone by gguf_hybrid.py.
 HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
-UNTRANSLATED_HYBRID_ARCHS = ("qwen35", "qwen35moe")
 
 # GGUF tensor name stem -> Hugging Face module name.
 GLOBAL_NAMES = {
@@ -196,11 +191,12 @@ class GGUFCheckpoint(Checkpoint):
         self.path = path  # _hf_config's messages name it
         super().__init__(path, self._hf_config())
         self._hf_to_gguf = {hf_name(n): n for n in self._tensors if n != ROPE_FREQS}
-        self._hybrid: dict[str, Any] | None = None  # HF name -> source factory, for qwen3next
-        if self.hf_config["model_type"] == "qwen3_next":
-            from celerytp.loading.gguf_hybrid import qwen3next_sources  # it builds on GGUFSource
+        self._hybrid: dict[str, Any] | None = None  # HF name -> source factory, for hybrid archs
+        arch = self.metadata("general.architecture")
+        if arch in HYBRID_GGUF_ARCHS:
+            from celerytp.loading.gguf_hybrid import hybrid_sources  # it builds on GGUFSource
 
-            self._hybrid = qwen3next_sources(self._tensors, self.hf_config)
+            self._hybrid = hybrid_sources(arch, self._tensors, self.hf_config)
 
     def metadata(self, key: str, default: Any = None) -> Any:
         field = self._reader.fields.get(key)
@@ -224,23 +220,16 @@ class GGUFCheckpoint(Checkpoint):
 
     def _hf_config(self) -> dict[str, Any]:
         arch = self.metadata("general.architecture")
-        if arch in UNTRANSLATED_HYBRID_ARCHS:
-            raise CeleryTPError(
-                ErrorKind.UNSUPPORTED_ARCH,
-                f"{self.path}: GGUF architecture {arch!r} is a hybrid (Gated DeltaNet) model whose GGUF layout is not "
-                f"translated; missing: {HYBRID_GGUF_MISSING}. Load its Hugging Face safetensors directory instead "
-                f"(quant applies there).",
-            )
         if arch not in SUPPORTED_ARCHS:
             raise CeleryTPError(
                 ErrorKind.UNSUPPORTED_ARCH,
                 f"{self.path}: GGUF architecture {arch!r} is not one of {', '.join(SUPPORTED_ARCHS)}",
             )
 
-        if arch == "qwen3next":
-            from celerytp.loading.gguf_hybrid import qwen3next_config
+        if arch in HYBRID_GGUF_ARCHS:
+            from celerytp.loading.gguf_hybrid import hybrid_config
 
-            return qwen3next_config(self.metadata, self._tensors, str(self.path))
+            return hybrid_config(arch, self.metadata, self._tensors, str(self.path))
 
         def key(suffix: str, default: Any = None) -> Any:
             return self.metadata(f"{arch}.{suffix}", default)

@@ -1,22 +1,24 @@
-"""Qwen3-Next GGUF files: llama.cpp's converter undone, tensor by tensor, per rank.
+"""Hybrid GGUF files (qwen3next, qwen35, qwen35moe): llama.cpp's converter undone, tensor by tensor, per rank.
 
-llama.cpp's convert_hf_to_gguf.py (class Qwen3NextModel, on top of Qwen2MoeModel and TextModel)
-renames and rewrites the Hugging Face tensors. Each source below presents one HF tensor and undoes
-one of those rewrites while reading only the rows a rank asks for:
+llama.cpp's convert_hf_to_gguf.py (Qwen3NextModel on top of Qwen2MoeModel and TextModel; for
+Qwen3.5 Qwen3_5TextModel / Qwen3_5MoeTextModel, which add _LinearAttentionVReorderBase before
+Qwen3NextModel) renames and rewrites the Hugging Face tensors. Each source below presents one HF
+tensor and undoes those rewrites while reading only the rows (or columns) a rank asks for:
 
 - `A_log` -> `ssm_a = -exp(A_log)`                      undone by ALogSource (log(-ssm_a))
 - `dt_bias` -> renamed `dt_proj.bias` -> `ssm_dt.bias`   a rename
 - `conv1d.weight` (C, 1, K) squeezed to (C, K)           undone by Conv1dSource (the 1 put back)
-- every `*norm.weight` except `linear_attn.norm` + 1     undone by ShiftedNormSource (- 1): Qwen3-Next's
-  RMSNorm scales by (1 + w), llama.cpp's by w
-- `in_proj_qkvz` ([q, k, v, z] per key head) split into `attn_qkv` ([all q | all k | all v]) and
-  `attn_gate` (all z)                                    undone by QKVZSource (row map back)
+- every `*norm.weight` except `linear_attn.norm` + 1     undone by ShiftedNormSource (- 1): these
+  RMSNorms scale by (1 + w), llama.cpp's by w
+- qwen3next: `in_proj_qkvz` ([q, k, v, z] per key head) split into `attn_qkv` ([all q | all k |
+  all v]) and `attn_gate` (all z)                        undone by QKVZSource (row map back)
+- qwen35*: value heads reordered from grouped-by-key-head to tiled (`_reorder_v_heads`) in
+  in_proj_qkv's V rows, in_proj_z, in_proj_b/a, A_log, dt_bias, conv1d's V channels (rows) and
+  out_proj (columns)                                     undone by RowOrderSource / ColumnOrderSource
 - experts stacked into `ffn_{gate,up,down}_exps` (E, out, in)   undone by one 2-D view per expert
-- `in_proj_ba`, attention, shared expert, router, `shared_expert_gate`: renamed only
-  (post_attention_layernorm is `post_attention_norm` in this architecture, not `ffn_norm`).
-
-Qwen3.5 / Qwen3.5-MoE files (arch qwen35 / qwen35moe) are not read here: their converter also
-reorders the linear-attention value heads (see HYBRID_GGUF_MISSING in gguf_file.py).
+- attention (q_proj keeps its [q | gate] heads), in_proj_ba, shared expert, router,
+  `shared_expert_gate`: renamed only (post_attention_layernorm is `post_attention_norm` here).
+- Qwen3.5's MTP layers, appended as blocks past `nextn_predict_layers`' start: skipped.
 """
 
 from __future__ import annotations
@@ -24,18 +26,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import gguf
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Range, ReadRecord, TensorSource
 from celerytp.loading.gguf_file import GGUFSource
 
-QWEN3NEXT_ARCH = "qwen3next"
+# GGUF architecture -> the model_type of the HF config it was converted from.
+HYBRID_MODEL_TYPES = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 SourceFactory = Callable[[str, list[ReadRecord]], TensorSource]
 
-# GGUF block tensor stem -> HF module under model.layers.N, for tensors the converter only renames.
+# GGUF block tensor stem -> HF module under model.layers.N, for every architecture.
 RENAMED = {
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -45,7 +50,6 @@ RENAMED = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
-    "ssm_ba": "linear_attn.in_proj_ba",  # untouched by Qwen3NextModel.modify_tensors
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
     "ssm_conv1d": "linear_attn.conv1d",
@@ -56,9 +60,16 @@ RENAMED = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate": "mlp.gate_proj",  # dense MLP names, should a file have them
+    "ffn_gate": "mlp.gate_proj",  # Qwen3.5's dense MLP
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+QWEN3NEXT_RENAMED = {"ssm_ba": "linear_attn.in_proj_ba"}  # untouched by Qwen3NextModel.modify_tensors
+QWEN35_RENAMED = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
 }
 GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,10 +78,10 @@ GLOBAL = {
 }
 EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Stems whose weights the converter stored as 1 + w ("norm.weight" but not "linear_attn.norm.weight").
-SHIFTED_NORMS = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm")
+SHIFTED_NORMS = ("output_norm", "attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm")
 # ssm_in is how older converters stored in_proj_qkvz; its layout is not documented by the current one.
 UNTRANSLATED = ("ssm_in",)
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")  # nextn.eh_proj: a dotted stem
 
 
 class _TensorView(NamedTuple):
@@ -81,11 +92,45 @@ class _TensorView(NamedTuple):
     data: Any
 
 
+@dataclass(frozen=True)
+class VHeadOrder:
+    """_LinearAttentionVReorderBase._reorder_v_heads along one dim: past `offset`, value heads
+    grouped by key head in HF ([g0 w0, g0 w1, .., g1 w0, ..]) are stored tiled ([g0 w0, g1 w0, ..,
+    g0 w1, ..]), `head_dim` entries each."""
+
+    offset: int
+    key_heads: int
+    per_key: int
+    head_dim: int
+
+    def runs(self, span: Range) -> list[Range]:
+        """Runs of file indices holding HF indices span[0]:span[1], in HF order."""
+        lo, hi = span
+        runs: list[Range] = []
+        if lo < self.offset:
+            _append_run(runs, (lo, min(hi, self.offset)))
+        hd = self.head_dim
+        for h in range(max(lo - self.offset, 0) // hd, -(-(hi - self.offset) // hd)):
+            start = self.offset + h * hd
+            g, w = divmod(h, self.per_key)
+            stored = self.offset + (w * self.key_heads + g) * hd
+            a, b = max(lo, start), min(hi, start + hd)
+            _append_run(runs, (stored + a - start, stored + b - start))
+        return runs
+
+
+def _append_run(runs: list[Range], run: Range) -> None:
+    if runs and runs[-1][1] == run[0]:
+        runs[-1] = (runs[-1][0], run[1])
+    elif run[0] < run[1]:
+        runs.append(run)
+
+
 # ---- sources that undo one converter step --------------------------------------------------
 
 
 class _Derived(TensorSource):
-    """A source computed from another GGUF source (which logs nothing itself: we log the HF read)."""
+    """A source computed from another (which logs nothing itself: we log the HF-named read)."""
 
     def __init__(self, name: str, shape: tuple[int, ...], log: list[ReadRecord], inner: TensorSource) -> None:
         super().__init__(name, shape, log)
@@ -94,6 +139,9 @@ class _Derived(TensorSource):
     @property
     def ggml_type(self) -> Any:
         return self._inner.ggml_type
+
+    def column_block(self) -> int:
+        return self._inner.column_block()
 
 
 class ShiftedNormSource(_Derived):
@@ -117,6 +165,61 @@ class Conv1dSource(_Derived):
 
     def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
         return self._inner.read(rows)[:, None, :]
+
+
+class RowOrderSource(_Derived):
+    """Undoes a value-head reorder of rows: the HF rows asked for, gathered from their file runs."""
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], log: list[ReadRecord], inner: TensorSource, order: VHeadOrder
+    ) -> None:
+        super().__init__(name, shape, log, inner)
+        self._order = order
+
+    def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
+        return torch.cat([self._inner.read(run, cols) for run in self._order.runs(rows)])
+
+    def read_blocks(self, qtype: Any, rows: Range | None = None, cols: Range | None = None) -> torch.Tensor:
+        r, c = self._check_range(rows, 0), self._check_range(cols, 1)
+        out = torch.cat([self._inner.read_blocks(qtype, run, c) for run in self._order.runs(r)])
+        self._log.append(ReadRecord(self.name, (r[1] - r[0], c[1] - c[0]), self.shape))
+        return out
+
+
+class ColumnOrderSource(_Derived):
+    """Undoes the value-head reorder of out_proj's columns (input features).
+
+    Kept quantized only where every head is whole blocks of the file's type; else it presents
+    itself as a float tensor (ggml_type None), which the quant plan loads in the compute dtype.
+    """
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], log: list[ReadRecord], inner: TensorSource, order: VHeadOrder
+    ) -> None:
+        super().__init__(name, shape, log, inner)
+        self._order = order
+
+    @property
+    def ggml_type(self) -> Any:
+        file_type = self._inner.ggml_type
+        return file_type if self._order.head_dim % self._inner.column_block() == 0 else None
+
+    def column_block(self) -> int:
+        return 1 if self.ggml_type is None else self._inner.column_block()
+
+    def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
+        span = cols if cols is not None else (0, self.shape[1])
+        return torch.cat([self._inner.read(rows, run) for run in self._order.runs(span)], dim=1)
+
+    def read_blocks(self, qtype: Any, rows: Range | None = None, cols: Range | None = None) -> torch.Tensor:
+        r, c = self._check_range(rows, 0), self._check_range(cols, 1)
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        runs = self._order.runs(c)
+        if qtype != self._inner.ggml_type or any(a % block or b % block for a, b in runs):
+            return super().read_blocks(qtype, r, c)  # quantize the reordered floats
+        out = torch.cat([self._inner.read_blocks(qtype, r, run) for run in runs], dim=1)
+        self._log.append(ReadRecord(self.name, (r[1] - r[0], c[1] - c[0]), self.shape))
+        return out
 
 
 class QKVZSource(TensorSource):
@@ -197,64 +300,90 @@ def _expert_view(tensor: Any, expert: int) -> _TensorView:
 # ---- the name table ------------------------------------------------------------------------
 
 
-def qwen3next_sources(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, SourceFactory]:
-    """HF tensor name -> how to build its source, for every tensor of a qwen3next GGUF file."""
+def hybrid_sources(arch: str, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, SourceFactory]:
+    """HF tensor name -> how to build its source, for every text-model tensor of a hybrid GGUF file."""
+    renamed = RENAMED | (QWEN3NEXT_RENAMED if arch == "qwen3next" else QWEN35_RENAMED)
     table: dict[str, SourceFactory] = {}
     for gguf_name, tensor in tensors.items():
         if gguf_name in GLOBAL:
-            hf = GLOBAL[gguf_name]
-            table[hf] = _norm_factory(tensor) if gguf_name == "output_norm.weight" else _plain_factory(tensor)
+            table[GLOBAL[gguf_name]] = _factory_for(gguf_name.rpartition(".")[0], tensor, None)
             continue
         m = _BLOCK_RE.fullmatch(gguf_name)
         if m is None:
-            table[gguf_name] = _plain_factory(tensor)  # unknown: the loader reports it
+            table[gguf_name] = _factory_for("", tensor, None)  # unknown: the loader reports it
             continue
         layer, stem, kind = m.groups()
+        if int(layer) >= config["num_hidden_layers"]:
+            continue  # an MTP block (_Qwen35MtpMixin appends them); the text model does not use it
         prefix = f"model.layers.{layer}."
         if stem in UNTRANSLATED:
             raise CeleryTPError(
                 ErrorKind.UNSUPPORTED_ARCH,
-                f"{gguf_name}: this qwen3next GGUF stores in_proj_qkvz as {stem} (an older converter layout); "
+                f"{gguf_name}: this {arch} GGUF stores in_proj_qkvz as {stem} (an older converter layout); "
                 f"only the current attn_qkv + attn_gate split is translated",
             )
-        if stem == "attn_gate":
-            continue  # read through attn_qkv's QKVZSource
-        if stem == "attn_qkv":
-            gate = tensors.get(f"blk.{layer}.attn_gate.weight")
-            if gate is None:
-                raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{gguf_name} has no blk.{layer}.attn_gate.weight beside it")
-            table[prefix + "linear_attn.in_proj_qkvz.weight"] = _qkvz_factory(tensor, gate, config)
+        if arch == "qwen3next" and stem in ("attn_qkv", "attn_gate"):
+            if stem == "attn_qkv":
+                table[prefix + "linear_attn.in_proj_qkvz.weight"] = _qkvz_factory(tensors, layer, config)
         elif stem in EXPERTS:
             for e in range(int(tensor.shape[2])):
-                table[f"{prefix}mlp.experts.{e}.{EXPERTS[stem]}.weight"] = _plain_factory(_expert_view(tensor, e))
-        elif stem in RENAMED:
-            hf = prefix + RENAMED[stem] + ("" if stem in ("ssm_a", "ssm_dt") else f".{kind}")
-            table[hf] = _factory_for(stem, tensor)
+                view = _expert_view(tensor, e)
+                table[f"{prefix}mlp.experts.{e}.{EXPERTS[stem]}.weight"] = _factory_for("", view, None)
+        elif stem in renamed:
+            hf = prefix + renamed[stem] + ("" if stem in ("ssm_a", "ssm_dt") else f".{kind}")
+            order = _v_head_order(stem, config) if arch != "qwen3next" else None
+            table[hf] = _factory_for(stem, tensor, order)
         else:
-            table[gguf_name] = _plain_factory(tensor)
+            table[gguf_name] = _factory_for("", tensor, None)
     return table
 
 
-def _factory_for(stem: str, tensor: Any) -> SourceFactory:
-    if stem in SHIFTED_NORMS:
-        return _norm_factory(tensor)
-    if stem == "ssm_a":
-        return lambda name, log: ALogSource(name, _hf_shape(tensor), log, _quiet(tensor, name))
-    if stem == "ssm_conv1d":
-        channels, kernel = _hf_shape(tensor)
-        return lambda name, log: Conv1dSource(name, (channels, 1, kernel), log, _quiet(tensor, name))
-    return _plain_factory(tensor)
+def _v_head_order(stem: str, config: dict[str, Any]) -> VHeadOrder | None:
+    """Where _LinearAttentionVReorderBase.modify_tensors reordered value heads in this tensor (qwen35*)."""
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    qk_rows, hv = 2 * nk * config["linear_key_head_dim"], config["linear_value_head_dim"]
+    # stem -> (first reordered index, entries per value head); ssm_out's are columns.
+    spans = {
+        "attn_qkv": (qk_rows, hv),  # only the V rows
+        "ssm_conv1d": (qk_rows, hv),  # only the V channels
+        "attn_gate": (0, hv),
+        "ssm_out": (0, hv),
+        "ssm_beta": (0, 1),
+        "ssm_alpha": (0, 1),
+        "ssm_a": (0, 1),
+        "ssm_dt": (0, 1),
+    }
+    if stem not in spans or nk == nv:  # the converter reorders only when nk != nv (else it is the identity)
+        return None
+    offset, head_dim = spans[stem]
+    return VHeadOrder(offset, nk, nv // nk, head_dim)
 
 
-def _plain_factory(tensor: Any) -> SourceFactory:
-    return lambda name, log: GGUFSource(tensor, name, log)
+def _factory_for(stem: str, tensor: Any, order: VHeadOrder | None) -> SourceFactory:
+    shape = _hf_shape(tensor)
+
+    def make(name: str, log: list[ReadRecord]) -> TensorSource:
+        file = _quiet(tensor, name)
+        if order is not None and stem == "ssm_out":
+            return ColumnOrderSource(name, shape, log, file, order)
+        rows = file if order is None else RowOrderSource(name, shape, [], file, order)
+        if stem in SHIFTED_NORMS:
+            return ShiftedNormSource(name, shape, log, rows)
+        if stem == "ssm_a":
+            return ALogSource(name, shape, log, rows)
+        if stem == "ssm_conv1d":
+            return Conv1dSource(name, (shape[0], 1, shape[1]), log, rows)
+        return GGUFSource(tensor, name, log) if order is None else RowOrderSource(name, shape, log, file, order)
+
+    return make
 
 
-def _norm_factory(tensor: Any) -> SourceFactory:
-    return lambda name, log: ShiftedNormSource(name, _hf_shape(tensor), log, _quiet(tensor, name))
-
-
-def _qkvz_factory(qkv: Any, gate: Any, config: dict[str, Any]) -> SourceFactory:
+def _qkvz_factory(tensors: dict[str, Any], layer: str, config: dict[str, Any]) -> SourceFactory:
+    qkv, gate = tensors[f"blk.{layer}.attn_qkv.weight"], tensors.get(f"blk.{layer}.attn_gate.weight")
+    if gate is None:
+        raise CeleryTPError(
+            ErrorKind.LOAD_FAILED, f"blk.{layer}.attn_qkv.weight has no blk.{layer}.attn_gate.weight beside it"
+        )
     heads, dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
     return lambda name, log: QKVZSource(name, log, _quiet(qkv, name), _quiet(gate, name), heads, dim)
 
@@ -266,24 +395,27 @@ def _hf_shape(tensor: Any) -> tuple[int, ...]:
 # ---- metadata ------------------------------------------------------------------------------
 
 
-def qwen3next_config(metadata: Callable[[str, Any], Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
-    """The HF config.json that Qwen3NextModel.set_gguf_parameters (and TextModel's, Qwen2MoeModel's)
-    wrote these keys from."""
-    names = set(tensors)
+def hybrid_config(
+    arch: str, metadata: Callable[[str, Any], Any], tensors: dict[str, Any], where: str
+) -> dict[str, Any]:
+    """The HF config.json that the converter's set_gguf_parameters (TextModel, Qwen2MoeModel,
+    Qwen3NextModel; for Qwen3.5 also the MTP and M-RoPE mixins) wrote these keys from."""
 
     def key(suffix: str, default: Any = None) -> Any:
-        return metadata(f"{QWEN3NEXT_ARCH}.{suffix}", default)
+        return metadata(f"{arch}.{suffix}", default)
 
-    layers = key("block_count")
+    names = set(tensors)
+    # _Qwen35MtpMixin counts the MTP layers in block_count and writes their number as nextn_predict_layers.
+    layers = (key("block_count") or 0) - (key("nextn_predict_layers") or 0)
     heads = key("attention.head_count")
     hidden = key("embedding_length")
-    head_dim = key("attention.key_length") or hidden // heads
     value_heads = key("ssm.time_step_rank")  # add_ssm_time_step_rank(linear_num_value_heads)
-    if None in (layers, heads, hidden, value_heads):
-        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{where}: qwen3next metadata lacks block/head/ssm counts")
+    if not (layers and heads and hidden and value_heads):
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{where}: {arch} metadata lacks block, head or ssm counts")
+    head_dim = key("attention.key_length") or hidden // heads
     return {
-        "model_type": "qwen3_next",
-        "vocab_size": _vocab_size(metadata, tensors),
+        "model_type": HYBRID_MODEL_TYPES[arch],
+        "vocab_size": _vocab_size(arch, metadata, tensors),
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": layers,
@@ -292,9 +424,10 @@ def qwen3next_config(metadata: Callable[[str, Any], Any], tensors: dict[str, Any
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        # The converter writes rope.dimension_count = head_dim * partial_rotary_factor.
+        # The converter writes rope.dimension_count = head_dim * partial_rotary_factor. Qwen3.5's
+        # M-RoPE sections (rope.dimension_sections) are plain RoPE for text-only positions.
         "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
-        "rope_parameters": _rope(key, where),
+        "rope_parameters": _rope(arch, key, where),
         "max_position_embeddings": key("context_length", 2048),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "linear_num_key_heads": key("ssm.group_count"),
@@ -308,7 +441,8 @@ def qwen3next_config(metadata: Callable[[str, Any], Any], tensors: dict[str, Any
         "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
-        # Not written by the converter; Qwen3-Next's config (transformers' default) renormalizes.
+        # Not written by the converter; Qwen3-Next's config (transformers' default) renormalizes,
+        # and Qwen3.5-MoE always does.
         "norm_topk_prob": True,
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
@@ -318,13 +452,13 @@ def qwen3next_config(metadata: Callable[[str, Any], Any], tensors: dict[str, Any
     }
 
 
-def _vocab_size(metadata: Callable[[str, Any], Any], tensors: dict[str, Any]) -> int | None:
-    # TextModel writes no vocab_size: the embedding's rows say it (the token list may be padded less).
+def _vocab_size(arch: str, metadata: Callable[[str, Any], Any], tensors: dict[str, Any]) -> int | None:
+    # TextModel writes no vocab_size: the embedding's rows say it.
     embd = tensors.get("token_embd.weight")
-    return int(embd.shape[1]) if embd is not None else metadata(f"{QWEN3NEXT_ARCH}.vocab_size", None)
+    return int(embd.shape[1]) if embd is not None else metadata(f"{arch}.vocab_size", None)
 
 
-def _rope(key: Callable[..., Any], where: str) -> dict[str, Any]:
+def _rope(arch: str, key: Callable[..., Any], where: str) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
     scaling = key("rope.scaling.type")
     if scaling in (None, "none"):
@@ -332,5 +466,5 @@ def _rope(key: Callable[..., Any], where: str) -> dict[str, Any]:
     if scaling == "linear":
         return rope | {"rope_type": "linear", "factor": key("rope.scaling.factor")}
     raise CeleryTPError(
-        ErrorKind.UNSUPPORTED_ARCH, f"{where}: rope scaling {scaling!r} is not supported for qwen3next GGUF"
+        ErrorKind.UNSUPPORTED_ARCH, f"{where}: rope scaling {scaling!r} is not supported for {arch} GGUF"
     )
