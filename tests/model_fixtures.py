@@ -412,3 +412,155 @@ def run_ranks(world_size: int, jobs: list[Job], workdir: Path, timeout: float = 
             }
         )
     return results
+
+
+# ---- hybrid GGUF writing, as llama.cpp's convert_hf_to_gguf.py does ----------------------
+# Qwen3NextModel (qwen3next); Qwen3_5TextModel / Qwen3_5MoeTextModel (qwen35, qwen35moe), which run
+# _LinearAttentionVReorderBase.modify_tensors before Qwen3NextModel's.
+
+HYBRID_GGUF_ARCH = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+
+
+def _qwen3next_split_qkvz(w: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3NextModel.modify_tensors on in_proj_qkvz: [q, k, v, z] per key head -> attn_qkv
+    ([all q | all k | all v]) and attn_gate (all z), the converter's own steps."""
+    hk, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    split = [hk, hk, nv // nk * hv, nv // nk * hv]
+    data = w.permute(1, 0).contiguous().view(-1, nk, sum(split))  # (hidden, key heads, q+k+v+z)
+    q, k, v, z = torch.split(data, split, dim=-1)
+    q, k, v, z = (t.contiguous().view(cfg.hidden_size, -1) for t in (q, k, v, z))
+    return torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous(), z.permute(1, 0).contiguous()
+
+
+def _reorder_v_heads(t: torch.Tensor, dim: int, num_k_heads: int, num_v_per_k: int, head_dim: int) -> torch.Tensor:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head -> tiled."""
+    shape = list(t.shape)
+    dim = dim % len(shape)
+    t = t.reshape(*shape[:dim], num_k_heads, num_v_per_k, head_dim, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def _qwen35_reorder(name: str, t: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """_LinearAttentionVReorderBase.modify_tensors (only when key and value head counts differ)."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if nk == nv or "linear_attn." not in name:
+        return t
+    hk, hv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    qk = 2 * nk * hk
+    if ".in_proj_qkv." in name:
+        return torch.cat([t[:qk], _reorder_v_heads(t[qk:], 0, nk, r, hv)])
+    if ".in_proj_z." in name:
+        return _reorder_v_heads(t, 0, nk, r, hv)
+    if ".in_proj_b." in name or ".in_proj_a." in name:
+        return _reorder_v_heads(t, 0, nk, r, 1)
+    if ".A_log" in name or ".dt_bias" in name:
+        return _reorder_v_heads(t.unsqueeze(-1), 0, nk, r, 1).squeeze(-1)
+    if ".conv1d" in name:
+        t = t.squeeze()
+        return torch.cat([t[:qk], _reorder_v_heads(t[qk:], 0, nk, r, hv)])
+    if ".out_proj." in name:
+        return _reorder_v_heads(t, 1, nk, r, hv)
+    return t
+
+
+def _hybrid_tensors(model: Any, arch: str) -> dict[str, torch.Tensor]:
+    """GGUF name -> tensor after the converter's modify_tensors chain."""
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if arch != "qwen3next":
+            t = _qwen35_reorder(name, t, cfg)
+        if name.endswith(".A_log"):  # Qwen3NextModel.modify_tensors from here
+            t = -torch.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if "in_proj_qkvz.weight" in name:
+            qkv, z = _qwen3next_split_qkvz(t, cfg)
+            out[f"blk.{layer}.attn_qkv.weight"], out[f"blk.{layer}.attn_gate.weight"] = qkv, z
+        elif name.endswith("mlp.experts.gate_up_proj"):  # Qwen2MoeModel: (E, 2 I, H), gate first
+            gate, up = t.split(t.shape[-2] // 2, dim=-2)
+            out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):  # (E, H, I), stacked as is
+            out[f"blk.{layer}.ffn_down_exps.weight"] = t
+        else:
+            out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
+    return out
+
+
+def _write_hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, arch: str, mtp_layers: int) -> None:
+    """TextModel, Qwen2MoeModel and Qwen3NextModel.set_gguf_parameters (+ Qwen3.5's mixins)."""
+    full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
+    interval = full[0] + 1
+    assert cfg.layer_types == [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(cfg.num_hidden_layers)
+    ], "llama.cpp describes the layer kinds by full_attention_interval only"
+    w.add_block_count(cfg.num_hidden_layers + mtp_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    if getattr(cfg, "intermediate_size", None) is not None:
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch != "qwen3next":
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "num_experts", None):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+    if mtp_layers:
+        w.add_nextn_predict_layers(mtp_layers)
+
+
+def write_hybrid_gguf(
+    model: Any, path: Path, quant: gguf.GGMLQuantizationType | None = None, mtp_layers: int = 0
+) -> Path:
+    """Write a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE model as llama.cpp's converter
+    would: its metadata keys and transformed tensors; with `quant`, the linear weights (not
+    norms, conv, router, embedding) in that type; `mtp_layers` appends that many MTP blocks
+    (placeholder tensors under the converter's nextn names) for the reader to skip."""
+    cfg = model.config
+    arch = HYBRID_GGUF_ARCH[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    _write_hybrid_metadata(w, cfg, arch, mtp_layers)
+    linears = (
+        "attn_q.", "attn_k.", "attn_v.", "attn_output", "attn_qkv", "attn_gate", "ssm_ba", "ssm_beta", "ssm_alpha",
+        "ssm_out", "_exps", "_shexp.", "ffn_gate.", "ffn_up.", "ffn_down.", "output.",
+    )  # fmt: skip
+    tensors = _hybrid_tensors(model, arch)
+    for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp_layers):
+        tensors[f"blk.{i}.nextn.eh_proj.weight"] = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size)
+        tensors[f"blk.{i}.attn_norm.weight"] = torch.zeros(cfg.hidden_size)
+    for name, t in tensors.items():
+        data = np.ascontiguousarray(t.numpy(), dtype=np.float32)
+        if quant is not None and any(s in name for s in linears) and "gate_inp" not in name:
+            w.add_tensor(name, _quantize(data, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,4 +1,7 @@
-"""Single-file GGUF checkpoints (llama, qwen3): metadata as an HF config, block-aligned slice reads.
+"""Single-file GGUF checkpoints: metadata as an HF config, block-aligned slice reads.
+
+llama and qwen3 are translated here, the hybrid architectures (qwen3next, qwen35, qwen35moe) by
+gguf_hybrid.py on top of GGUFSource.
 
 GGUF stores a 2-D weight as rows of quant blocks; a rank's rows are a slice of the memory
 map, its columns a block-aligned byte range of each row. Only that slice is dequantized.
@@ -19,14 +22,8 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
 from celerytp.quant.blocks import dequantize_blocks
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
-# Hybrid architectures gguf names but this reader does not translate: llama.cpp's converter
-# rewrites their tensors (what a reader would have to undo), so they load from safetensors only.
-HYBRID_GGUF_MISSING = (
-    "ssm_in/ssm_ba (or ssm_beta/ssm_alpha) rows back into in_proj_qkvz/ba order, ssm_a = -exp(A_log) back to "
-    "A_log, ssm_conv1d's layout, attn_q + attn_gate back into the gated q_proj, stacked ffn_*_exps experts, "
-    "norm weights stored with +1, and the ssm.* / full_attention_interval metadata as a config"
-)
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3next", "qwen35", "qwen35moe")
+# Hybrid (Gated DeltaNet) architectures: their converter's rewrites are undone by gguf_hybrid.py.
 HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 
 # GGUF tensor name stem -> Hugging Face module name.
@@ -194,15 +191,23 @@ class GGUFCheckpoint(Checkpoint):
         self.path = path  # _hf_config's messages name it
         super().__init__(path, self._hf_config())
         self._hf_to_gguf = {hf_name(n): n for n in self._tensors if n != ROPE_FREQS}
+        self._hybrid: dict[str, Any] | None = None  # HF name -> source factory, for hybrid archs
+        arch = self.metadata("general.architecture")
+        if arch in HYBRID_GGUF_ARCHS:
+            from celerytp.loading.gguf_hybrid import hybrid_sources  # it builds on GGUFSource
+
+            self._hybrid = hybrid_sources(arch, self._tensors, self.hf_config)
 
     def metadata(self, key: str, default: Any = None) -> Any:
         field = self._reader.fields.get(key)
         return default if field is None else field.contents()
 
     def names(self) -> list[str]:
-        return list(self._hf_to_gguf)
+        return list(self._hybrid if self._hybrid is not None else self._hf_to_gguf)
 
     def source(self, name: str) -> TensorSource:
+        if self._hybrid is not None:
+            return self._hybrid[name](name, self.reads)
         gguf_name = self._hf_to_gguf[name]
         head_dim = None
         if self.hf_config["model_type"] == "llama" and re.search(r"\.attn_[qk]\.", gguf_name):
@@ -215,18 +220,16 @@ class GGUFCheckpoint(Checkpoint):
 
     def _hf_config(self) -> dict[str, Any]:
         arch = self.metadata("general.architecture")
-        if arch in HYBRID_GGUF_ARCHS:
-            raise CeleryTPError(
-                ErrorKind.UNSUPPORTED_ARCH,
-                f"{self.path}: GGUF architecture {arch!r} is a hybrid (Gated DeltaNet) model whose GGUF layout is not "
-                f"translated; missing: {HYBRID_GGUF_MISSING}. Load its Hugging Face safetensors directory instead "
-                f"(quant applies there).",
-            )
         if arch not in SUPPORTED_ARCHS:
             raise CeleryTPError(
                 ErrorKind.UNSUPPORTED_ARCH,
                 f"{self.path}: GGUF architecture {arch!r} is not one of {', '.join(SUPPORTED_ARCHS)}",
             )
+
+        if arch in HYBRID_GGUF_ARCHS:
+            from celerytp.loading.gguf_hybrid import hybrid_config
+
+            return hybrid_config(arch, self.metadata, self._tensors, str(self.path))
 
         def key(suffix: str, default: Any = None) -> Any:
             return self.metadata(f"{arch}.{suffix}", default)
