@@ -17,7 +17,8 @@ ranks):
 Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)) for one greedy request of the same
 prompt (medians of --repeats after a warm-up), so prefill and start-up cancel out. Memory: each
 rank's whole RSS growth from before the load to after the runs, with the load defaults
-(max_batch 16, the default KV cache budget), so the KV pages the runs touched are included.
+(max_batch 16, the default KV cache budget), so the KV pages the runs touched are included;
+freed heap is handed back after the load, as a worker's load does.
 
 Prints one JSON object and a readable table.
 """
@@ -69,11 +70,13 @@ def _celerytp_rank(rank: int, world_size: int, init_file: str, run: argparse.Nam
         assert shm.attach("bench", os.path.basename(init_file), rank, world_size, 120.0) is not None
     tp = TPContext(rank, world_size)
     from celerytp.models import load_model
+    from celerytp.worker.loaded_model import release_memory
 
     prompt = load_tokenizer(default_model_path()).encode(PROMPT)
     before = _rss()
     started = time.perf_counter()
     model = load_model(default_model_path(), tp, max_batch=16, quant=None if run.weights == "keep" else run.weights)
+    release_memory()  # as a worker's load does: loading temporaries back to the OS
     load_s = time.perf_counter() - started
     times: dict[int, list[float]] = {1: [], run.tokens: []}
     for i in range(run.repeats + 1):
