@@ -107,7 +107,7 @@ def test_step_bad_input_is_refused_and_cache_survives(cluster, tiny_llama):
 
 
 def test_quantized_load_reports_types_and_fallbacks_per_rank(cluster, tiny_llama):
-    """hidden 48 is not whole 32-blocks: q, k, v, gate, up and lm_head stay float32 (reported);
+    """hidden 48 is not whole 32-blocks: q, k, v, gate, up, lm_head and the embedding stay float32 (reported);
     o_proj's 96 inputs split 64 + 32 (3 KV groups: 2 + 1), the MLP's 96 as 64 + 32, so o_proj
     and down_proj are q8_0 on both ranks."""
     hf, path = tiny_llama
@@ -116,9 +116,9 @@ def test_quantized_load_reports_types_and_fallbacks_per_rank(cluster, tiny_llama
         layers = hf.config.num_hidden_layers
         for r in replies:
             assert r.quant == "q8_0"
-            assert {t: v["tensors"] for t, v in r.quant_types.items()} == {"q8_0": 2 * layers, "f32": 5 * layers + 1}
+            assert {t: v["tensors"] for t, v in r.quant_types.items()} == {"q8_0": 2 * layers, "f32": 5 * layers + 2}
             assert all(v["bytes"] > 0 for v in r.quant_types.values())
-            assert len(r.quant_fallbacks) == 5 * layers + 1
+            assert len(r.quant_fallbacks) == 5 * layers + 2
             assert "model.layers.0.mlp.up_proj.weight: q8_0 -> f32 (columns 0:48 are not whole 32-blocks)" in r.quant_fallbacks
         assert replies[0].quant_types["q8_0"]["bytes"] > replies[1].quant_types["q8_0"]["bytes"]
     finally:

@@ -93,6 +93,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_di
         name = shm.segment_name(group_name, scenario)
         group = shm.attach(group_name, scenario, rank, world_size, timeout_s)
         assert group is shm.active() and group is not None
+        dist.barrier()  # rank 0 unlinks the name before attach returns there; the others may return first
         assert not (Path(shm.SHM_DIR) / name).exists(), "segment name left in /dev/shm after setup"
         assert _maps("self", name) == 1
         if scenario == "collectives":
@@ -156,7 +157,7 @@ def _run(world_size: int, scenario: str, tmp_path: Path, expect_ok: list[int], t
 
 # 4 ranks on CI's 2 cores once waited out the 60 s deadline in a full run (alone it passes in
 # seconds); until that is understood, CI covers 2 and 3 (docs/performance.md).
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_all_reduce_and_broadcast_match_gloo(world_size: int, tmp_path: Path) -> None:
     _run(world_size, "collectives", tmp_path, list(range(world_size)))
 

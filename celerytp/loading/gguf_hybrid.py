@@ -34,7 +34,7 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Range, ReadRecord, TensorSource
-from celerytp.loading.gguf_file import GGUFSource
+from celerytp.loading.gguf_source import GGUFSource
 
 # GGUF architecture -> the model_type of the HF config it was converted from.
 HYBRID_MODEL_TYPES = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
