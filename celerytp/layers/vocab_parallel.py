@@ -36,15 +36,15 @@ def vocab_shards(tp: TPContext, vocab_size: int) -> list[tuple[int, int]]:
     return shards
 
 
-
-class VocabParallelEmbedding(nn.Module):
-    """The token embedding, rows split by vocabulary over the ranks.
+class VocabSlice(nn.Module):
+    """This rank's contiguous vocabulary slice of a (vocab_size, hidden_size) matrix, float or
+    kept quantized (`quant`), read from the checkpoint rows it owns.
 
     Args:
         vocab_size, hidden_size: the full matrix's shape.
         tp: the rank's tensor-parallel context.
-        quant: keep the slice quantized (quant/plan.py `embedding_plan`); lookups dequantize
-            only their rows.
+        quant: keep the slice quantized as this plan says.
+        allocate: False when the slice is another module's (a tied LM head sets it itself).
     """
 
     def __init__(
@@ -56,13 +56,16 @@ class VocabParallelEmbedding(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         quant: QuantPlan | None = None,
+        allocate: bool = True,
     ):
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.shards = vocab_shards(tp, vocab_size)
         self.start, self.count = self.shards[tp.rank]
-        sharded = tp.world_size > 1
         self.qweight = None
+        if not allocate:
+            return
+        sharded = tp.world_size > 1
         if quant is not None:
             self.qweight = QuantizedWeight(quant, self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
         self.weight = empty_param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
@@ -74,6 +77,11 @@ class VocabParallelEmbedding(nn.Module):
         if self.qweight is not None:
             return self.qweight.load(source, 0, rows=rows)
         copy_into(param.data, source.read(rows=rows), source.name)
+
+
+class VocabParallelEmbedding(VocabSlice):
+    """The token embedding, rows split by vocabulary over the ranks (a VocabSlice; a quantized
+    one, see quant/plan.py `embedding_plan`, dequantizes only the rows it looks up)."""
 
     def lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
@@ -89,7 +97,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(h.masked_fill(outside[..., None], 0.0))
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(VocabSlice):
     """logits = x W^T with W's rows (the vocabulary) split over ranks, gathered whole on every rank.
 
     Args:
@@ -110,26 +118,9 @@ class ParallelLMHead(nn.Module):
         tied: VocabParallelEmbedding | None = None,
         quant: QuantPlan | None = None,
     ) -> None:
-        super().__init__()
-        self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
-        self.shards = vocab_shards(tp, vocab_size)
-        self.start, self.count = self.shards[tp.rank]
-        self.qweight = None
+        super().__init__(vocab_size, hidden_size, tp, dtype=dtype, device=device, quant=quant, allocate=tied is None)
         if tied is not None:  # the embedding's slice, in whatever form it is kept
             self.weight, self.qweight = tied.weight, tied.qweight
-            return
-        sharded = tp.world_size > 1
-        if quant:
-            self.qweight = QuantizedWeight(quant, self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
-        self.weight = empty_param(0 if quant else self.count, hidden_size, dtype=dtype, device=device, sharded=sharded)
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
-        check_shape(source, (self.vocab_size, self.hidden_size))
-        rows = (self.start, self.start + self.count)
-        if self.qweight is not None:
-            return self.qweight.load(source, 0, rows=rows)
-        copy_into(param.data, source.read(rows=rows), source.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight) if self.qweight is None else self.qweight(x)  # (..., V_local)
