@@ -6,9 +6,9 @@ kernels. The collectives are custom ops (celerytp/distributed/tp.py), so a layer
 Shapes are dynamic (the attended length grows every step), so one graph per layer kind serves
 every step and every layer (the layers share their code; parameters are graph inputs).
 
-Off by default: on the 2-core CPU machines of docs/benchmarks.md it gains little and the first
-step of a fresh process compiles for tens of seconds (inductor's on-disk cache, on by default,
-makes later processes faster). `CELERYTP_COMPILE=1` in the worker's environment turns it on
+Off by default (docs/benchmarks.md, "Decode speed and memory per rank"): on 2-core CPU
+machines it speeds up q4 decode 1.2-1.5x and float32 not at all, a load compiles for 8-15 s
+with inductor's on-disk cache warm (~40 s cold), and it costs ~100 MiB per rank. `CELERYTP_COMPILE=1` in the worker's environment turns it on
 at load. On CUDA the same call uses mode="reduce-overhead" (CUDA graphs); that path is not yet
 verified on a GPU. Prefill and hybrid (Gated DeltaNet) layers stay eager.
 """
