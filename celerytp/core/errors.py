@@ -15,6 +15,7 @@ class ErrorKind(StrEnum):
     OUT_OF_ORDER = "out_of_order"
     TIMEOUT = "timeout"
     RANK_LOST = "rank_lost"
+    GROUP_BROKEN = "group_broken"  # the process group failed while every process lives: re-form it
     ALREADY_LOADED = "already_loaded"
     LOAD_FAILED = "load_failed"
     UNSUPPORTED_ARCH = "unsupported_arch"

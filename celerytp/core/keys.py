@@ -65,3 +65,24 @@ def loop_key(group: str, model_id: str) -> str:
 def loop_stats_key(group: str, model_id: str) -> str:
     """Hash: the serving loop's figures (running rows, peak rows, steps, reused tokens)."""
     return f"celerytp:{group}:loopstats:{model_id}"
+
+
+def comm_key(group: str) -> str:
+    """The comm_id of the group's current process-group epoch (set by the leader at init)."""
+    return f"celerytp:{group}:comm"
+
+
+def broken_key(group: str) -> str:
+    """Set by a rank whose process group broke while its process lives (value: that comm_id);
+    a leader that sees it equal to comm_key's value re-forms the group (client/healer)."""
+    return f"celerytp:{group}:broken"
+
+
+def control_queue_key(group: str, rank: int) -> str:
+    """List: control requests (ping, status) for one rank's control thread, beside its op queue."""
+    return f"celerytp:{group}:rank:{rank}:control"
+
+
+def control_reply_key(group: str, call_id: str) -> str:
+    """List: the ranks' replies to one control call."""
+    return f"celerytp:{group}:control:reply:{call_id}"
