@@ -1,18 +1,24 @@
-"""Fault injection on a live two-rank group: how long detection and recovery take, what the client sees.
+"""Fault injection on a live two-rank group: one row per fault, what the client got, what was lost,
+and how soon the group served again with no person involved.
 
-Run: python benchmarks/faults.py [--repeat 3]
+Run: python benchmarks/faults.py [--kill-runs 10] [--stop-s 15 90]
 
-Faults: SIGKILL of rank 1 and of rank 0 during a long streamed generation, SIGKILL of rank 1
-while idle, SIGSTOP of rank 1 during a generation, and a Redis restart between two requests.
-For each: detection = from the fault to the client's first error (the in-flight request's, or
-for idle faults the next request's); recovery = from the fault to the end of the first successful
-request after it (the supervisor restarts the rank,
-the leader re-forms the group and reloads SmolLM2). Default heartbeat: TTL 4 s, refresh 1 s.
+Rows (SmolLM2 float32 at TP=2 on LocalCluster; default heartbeat: TTL 4 s, refresh 1 s):
+- SIGSTOP of rank 1 for 15 s during a generation, LocalCluster's supervisor as it ships (it kills
+  a worker whose heartbeat lapsed while its process lives): serving again after SIGCONT.
+- SIGSTOP of rank 1 for 90 s with a supervisor that restarts only on exit (systemd, compose):
+  how soon the client hears of it, and serving again after SIGCONT.
+- SIGKILL of rank 1 during 4 streams, `--kill-runs` times: serving again after the kill, every run.
+- Abandoned requests: a stream iterator dropped after 3 tokens, and a generate that timed out.
+  How many loop steps until its row is free, and the latency of a short request right after,
+  against the same request on the idle group.
+- A ping from the loading Leader and from a second Leader while a model loads, against idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import statistics
@@ -21,84 +27,192 @@ import time
 
 import psutil
 
+from celerytp import Leader
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError
 
-PROMPT = dict(prompt="The capital of France is", max_tokens=8, temperature=0)
+SHORT = dict(prompt="The capital of France is", max_tokens=8, temperature=0)
+LONG = dict(prompt="Once upon a time", max_tokens=2000, ignore_eos=True)
 
 
-def in_flight(leader) -> tuple[threading.Thread, list]:
-    """A long streamed generation in a thread, once its first tokens arrived."""
-    outcome: list = []
-    started = threading.Event()
+def streaming(leader: Leader, n: int = 1) -> tuple[list[threading.Thread], list]:
+    """`n` long streams in threads, returned once each has its first tokens; outcomes collect as
+    ("completed" | (monotonic time, error))."""
+    outcomes: list = []
+    started = [threading.Event() for _ in range(n)]
 
-    def run():
+    def run(i: int) -> None:
         try:
-            for _ in leader.stream("smol", prompt="Once upon a time", max_tokens=2000, ignore_eos=True):
-                started.set()
-            outcome.append("completed")
+            for _ in leader.stream("smol", **LONG):
+                started[i].set()
+            outcomes.append("completed")
         except CeleryTPError as exc:
-            outcome.append((time.monotonic(), exc))
-        started.set()
+            outcomes.append((time.monotonic(), exc))
+        started[i].set()
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    started.wait(60)
-    return thread, outcome
-
-
-def inject(cluster, fault: str) -> float:
-    if fault == "redis restart":
-        at = time.monotonic()
-        cluster.restart_redis()
-        return at
-    rank = 0 if "rank 0" in fault else 1
-    at = time.monotonic()
-    if "SIGSTOP" in fault:
-        psutil.Process(cluster.workers[rank].pid).suspend()
-    else:
-        os.killpg(cluster.workers[rank].pid, signal.SIGKILL)
-    return at
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for event in started:
+        event.wait(120)
+    return threads, outcomes
 
 
-def one(cluster, fault: str, expected: list[int]) -> dict:
-    leader = cluster.leader
-    busy = "idle" not in fault and "redis" not in fault
-    thread, outcome = in_flight(leader) if busy else (None, [])
-    at = inject(cluster, fault)
-    seen = None
-    if thread is not None:
-        thread.join(60)
-        when, error = outcome[0]
-        seen = (when - at, f"{error.kind}: {error.message[:90]}")
-    while True:  # the next requests, until one succeeds; the first may fail naming the rank (idle faults)
+def serve_again(leader: Leader, expected: list[int], limit_s: float = 300) -> float:
+    """Send short requests until one succeeds with the expected tokens; when it finished."""
+    deadline = time.monotonic() + limit_s
+    while True:
         try:
-            result = leader.generate("smol", **PROMPT)
-            break
-        except CeleryTPError as error:
-            seen = seen or (time.monotonic() - at, f"{error.kind}: {error.message[:90]}")
-    assert result.token_ids == expected, "recovered group gives other tokens"
-    return {"detect": seen, "recover": time.monotonic() - at}
+            result = leader.generate("smol", **SHORT)
+            assert result.token_ids == expected, "the healed group gives other tokens"
+            return time.monotonic()
+        except CeleryTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def client_saw(outcomes: list, at: float) -> str:
+    if not outcomes:
+        return "nothing yet"
+    first = outcomes[0]
+    if first == "completed":
+        return "completed"
+    when, error = first
+    return f"{when - at:.1f} s: `{error.kind}`"
+
+
+def sigstop(cluster: LocalCluster, expected: list[int], seconds: float) -> dict:
+    leader = cluster.leader
+    threads, outcomes = streaming(leader)
+    proc = psutil.Process(cluster.workers[1].pid)
+    at = time.monotonic()
+    proc.suspend()
+    time.sleep(seconds)
+    try:
+        proc.resume()
+    except psutil.NoSuchProcess:
+        pass  # the supervisor killed it (and started a replacement) while it was stopped
+    resumed = time.monotonic()
+    for t in threads:
+        t.join(60)
+    done = serve_again(leader, expected)
+    return {"saw": client_saw(outcomes, at), "again": done - resumed}
+
+
+def sigkill_during_streams(cluster: LocalCluster, expected: list[int]) -> dict:
+    leader = cluster.leader
+    threads, outcomes = streaming(leader, 4)
+    at = time.monotonic()
+    os.killpg(cluster.workers[1].pid, signal.SIGKILL)
+    done = serve_again(leader, expected)
+    for t in threads:
+        t.join(60)
+    return {"saw": client_saw(sorted(outcomes, key=str), at), "again": done - at}
+
+
+def latency(leader: Leader) -> float:
+    started = time.perf_counter()
+    leader.generate("smol", **SHORT)
+    return time.perf_counter() - started
+
+
+def steps_until_free(leader: Leader, abandon) -> tuple[int, float]:
+    """Loop steps from abandoning a request until no row runs, and the next short request's latency."""
+    before = leader.serving_stats("smol")["steps"]
+    abandon()
+    while leader.serving_stats("smol").get("running_rows", 0):
+        time.sleep(0.002)
+    steps = leader.serving_stats("smol")["steps"] - before
+    return steps, latency(leader)
+
+
+def abandoned(cluster: LocalCluster) -> list[tuple[str, str]]:
+    leader = cluster.leader
+    idle = statistics.median(latency(leader) for _ in range(3))
+
+    def dropped_stream() -> None:
+        stream = iter(leader.stream("smol", **LONG))
+        for _ in range(3):
+            next(stream)
+        del stream
+        gc.collect()
+
+    def timed_out() -> None:
+        saved = leader.generate_timeout
+        leader.generate_timeout = 1.0
+        try:
+            leader.generate("smol", **LONG)
+        except CeleryTPError:
+            pass
+        finally:
+            leader.generate_timeout = saved
+
+    rows = []
+    for name, abandon in (("stream iterator dropped after 3 tokens", dropped_stream), ("generate timed out (1 s)", timed_out)):
+        steps, after = steps_until_free(leader, abandon)
+        rows.append((name, f"row free after {steps} step(s); next short request {after * 1000:.0f} ms (idle {idle * 1000:.0f} ms)"))
+    return rows
+
+
+def ping_during_load(cluster: LocalCluster) -> str:
+    leader = cluster.leader
+    other = Leader(cluster.broker_url, cluster.group, cluster.world_size)
+    idle = statistics.median(_timed(leader.ping) for _ in range(5))
+    loading = threading.Thread(target=lambda: leader.load("smol-b", None, quant="f32"))
+    started = time.monotonic()
+    loading.start()
+    time.sleep(1.0)
+    same, second = [], []
+    while loading.is_alive():
+        same.append(_timed(leader.ping))
+        second.append(_timed(other.ping))
+        time.sleep(0.2)
+    load_s = time.monotonic() - started
+    leader.unload("smol-b")
+    return (f"during a {load_s:.1f} s load: same Leader max {max(same) * 1000:.0f} ms, second Leader max "
+            f"{max(second) * 1000:.0f} ms ({len(same)} pings each; idle {idle * 1000:.0f} ms)")
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kill-runs", type=int, default=10)
+    parser.add_argument("--stop-s", type=float, nargs=2, default=[15.0, 90.0])
     args = parser.parse_args()
-    faults = ["SIGKILL rank 1 mid-stream", "SIGKILL rank 0 mid-stream", "SIGKILL rank 1 idle",
-              "SIGSTOP rank 1 mid-stream", "redis restart"]
+    rows: list[tuple[str, str, str]] = []
+
     with LocalCluster(world_size=2, group="faults") as cluster:
-        cluster.leader.load("smol", None, idle_s=0.2)
-        expected = cluster.leader.generate("smol", **PROMPT).token_ids
-        print("| fault | detection (client error) | what the client saw | recovery (next request done) |")
-        print("|---|---|---|---|")
-        for fault in faults:
-            runs = [one(cluster, fault, expected) for _ in range(args.repeat)]
-            detects = [r["detect"][0] for r in runs if r["detect"]]
-            seen = runs[0]["detect"][1] if runs[0]["detect"] else "no error: the next request succeeded"
-            detect = f"{statistics.median(detects):.1f} s (max {max(detects):.1f})" if detects else "-"
-            recover = [r["recover"] for r in runs]
-            print(f"| {fault} | {detect} | `{seen}` | {statistics.median(recover):.1f} s (max {max(recover):.1f}) |", flush=True)
+        cluster.leader.load("smol", None, quant="f32", idle_s=0.5)
+        expected = cluster.leader.generate("smol", **SHORT).token_ids
+        rows.append(("ping while a model loads", ping_during_load(cluster), "nothing"))
+        for name, outcome in abandoned(cluster):
+            rows.append((f"abandoned: {name}", outcome, "nothing"))
+        r = sigstop(cluster, expected, args.stop_s[0])
+        rows.append((f"SIGSTOP rank 1 for {args.stop_s[0]:.0f} s mid-generation (supervisor kills stuck workers)",
+                     f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT", "the request in flight"))
+        runs = [sigkill_during_streams(cluster, expected) for _ in range(args.kill_runs)]
+        again = [r["again"] for r in runs]
+        rows.append((f"SIGKILL rank 1 during 4 streams ({args.kill_runs} runs)",
+                     f"client: {runs[0]['saw']}; serving again after median {statistics.median(again):.1f} s, "
+                     f"max {max(again):.1f} s", "the 4 requests in flight"))
+
+    with LocalCluster(world_size=2, group="faults2", kill_stuck=False) as cluster:
+        cluster.leader.load("smol", None, quant="f32", idle_s=0.5)
+        expected = cluster.leader.generate("smol", **SHORT).token_ids
+        r = sigstop(cluster, expected, args.stop_s[1])
+        rows.append((f"SIGSTOP rank 1 for {args.stop_s[1]:.0f} s mid-generation (supervisor restarts on exit only)",
+                     f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT", "the request in flight"))
+
+    print("| fault | what the client got, recovery | lost |")
+    print("|---|---|---|")
+    for fault, outcome, lost in rows:
+        print(f"| {fault} | {outcome} | {lost} |", flush=True)
 
 
 if __name__ == "__main__":

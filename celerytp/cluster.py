@@ -81,8 +81,11 @@ class LocalCluster:
         startup_timeout: seconds to wait for every rank to answer ping and form the group.
         form_group: send `init` once every rank answers (off: the caller inits).
         env: extra environment for the worker processes.
-        supervise: restart a rank worker that exits with a failure (any code but 0) or whose
-            heartbeat lapsed while its process lives (stuck), as systemd's Restart=on-failure does.
+        supervise: restart a rank worker that exits with a failure (any code but 0), as
+            systemd's Restart=on-failure does.
+        kill_stuck: the supervisor also SIGKILLs (and restarts) a worker whose heartbeat lapsed
+            while its process lives (e.g. SIGSTOPped); off, it restarts on exit only, as systemd
+            and compose do.
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class LocalCluster:
         form_group: bool = True,
         env: dict[str, str] | None = None,
         supervise: bool = True,
+        kill_stuck: bool = True,
     ):
         self.world_size = world_size
         self.group = group
@@ -106,6 +110,7 @@ class LocalCluster:
         self.form_group = form_group
         self.extra_env = env or {}
         self.supervise = supervise
+        self.kill_stuck = kill_stuck
         self.restarts = [0] * world_size  # replacements the supervisor started, per rank
         self._workers_lock = threading.RLock()  # the supervisor and restart_worker replace workers
         self._stopping = threading.Event()
@@ -244,7 +249,7 @@ class LocalCluster:
                     if proc.returncode == 0:
                         continue  # told to stop (the shutdown op): not a failure to restart from
                     if proc.poll() is None:
-                        if now < kill_after[rank]:
+                        if now < kill_after[rank] or not self.kill_stuck:
                             continue
                         os.killpg(proc.pid, signal.SIGKILL)  # stuck: its replacement starts clean
                         proc.wait()
