@@ -41,6 +41,7 @@ from celerytp.core.model_files import default_model_path
 from celerytp.core.protocol import GenSpec
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.distributed import shm
+from celerytp.distributed.control import ControlGroup
 from celerytp.distributed.tp import TPContext
 
 PROMPT = "Tensor parallelism splits each layer of a neural network across devices so that"
@@ -58,7 +59,7 @@ def _request_seconds(model, tp: TPContext, rank: int, prompt: list[int], tokens:
     dist.barrier()
     start = time.perf_counter()
     source = ListSource([spec]) if rank == 0 else None
-    ServingLoop(model, tp, {}, prefill_budget=256, idle_s=0.0, source=source).run()
+    ServingLoop(model, ControlGroup.on_default_group(tp.rank, tp.world_size), {}, prefill_budget=256, idle_s=0.0, source=source).run()
     return time.perf_counter() - start
 
 

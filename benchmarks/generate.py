@@ -38,6 +38,7 @@ from celerytp.cluster import LocalCluster
 from celerytp.core.model_files import default_model_path
 from celerytp.core.protocol import GenSpec
 from celerytp.core.tokenizer import load_tokenizer
+from celerytp.distributed.control import ControlGroup
 from celerytp.distributed.tp import TPContext
 from celerytp.models import load_model
 from celerytp.worker.serving import ListSource, ServingLoop
@@ -75,7 +76,7 @@ def _spmd_rank(rank: int, world_size: int, init_file: str, threads: int, prompt_
         dist.barrier()
         start = time.perf_counter()
         source = ListSource([spec]) if rank == 0 else None
-        ServingLoop(model, tp, {}, prefill_budget=256, idle_s=0.0, source=source).run()
+        ServingLoop(model, ControlGroup.on_default_group(tp.rank, tp.world_size), {}, prefill_budget=256, idle_s=0.0, source=source).run()
         times.append(time.perf_counter() - start)
     if rank == 0:
         out.put(tokens / statistics.median(times[1:]))  # the first run warms up

@@ -132,7 +132,7 @@ def _check(args: argparse.Namespace) -> int:
     check_broker(args)
     with leader_for(args) as leader:
         if args.broker:
-            leader.init()
+            leader.ensure_formed()
         report = {
             "ping": [r.model_dump() for r in leader.ping()],
             "sanity": [r.model_dump() for r in leader.sanity_check()],
@@ -156,7 +156,7 @@ def _generate(args: argparse.Namespace) -> int:
     request = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
     with leader_for(args) as leader:
         if args.broker:
-            leader.init()
+            leader.ensure_formed()
         record = leader.models().get(model_id)
         if record is None or record["path"] != path:
             if record is not None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from celerytp.distributed import shm
+from celerytp.distributed.control import CollectiveFailed, ControlGroup
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 NUMELS = [1, 512, 16384, 1 << 18]  # 4 B .. 1 MiB of float32: up to the slot size
@@ -121,11 +122,14 @@ def _expect_timeout(rank: int, group: shm.ShmGroup, timeout_s: float, out: Path)
     time.sleep(0.5)  # the peer is gone by now
     start = time.monotonic()
     try:
-        state.collective(lambda: group.all_reduce(torch.ones(4)))
+        control = ControlGroup(rank, group.world_size, None, group)  # its collectives go through shm
+        state.collective(lambda: control.all_reduce(torch.ones(4)))
     except CeleryTPError as exc:
         waited = time.monotonic() - start
         assert exc.kind == ErrorKind.TIMEOUT, exc
-        assert isinstance(exc.__cause__, dist.DistBackendError) and "Timed out" in str(exc.__cause__)
+        failed = exc.__cause__
+        assert isinstance(failed, CollectiveFailed) and isinstance(failed.__cause__, dist.DistBackendError)
+        assert "Timed out" in str(failed)
         assert timeout_s - 0.1 <= waited <= timeout_s + 5, f"raised after {waited:.2f}s"
         out.write_text("ok")
         os._exit(0)  # skip destroy_process_group: its peer is dead

@@ -183,19 +183,37 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[str]:
         ids, sent = [], ""
-        for event in self._pending.events(self._timeout):
-            if isinstance(event, Done):
-                self.result = finish(self._prepared, event.result, "fused")
-                break
-            ids.append(event.id)
-            self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
-            delta = self._safe_text(ids)[len(sent):]
-            if delta:
-                sent += delta
-                yield delta
+        self._events = events = self._pending.events(self._timeout)
+        try:
+            for event in events:
+                if isinstance(event, Done):
+                    self.result = finish(self._prepared, event.result, "fused")
+                    break
+                ids.append(event.id)
+                self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
+                delta = self._safe_text(ids)[len(sent):]
+                if delta:
+                    sent += delta
+                    yield delta
+        finally:
+            events.close()  # left early (break, close, garbage): the request is cancelled
         rest = self.result.text[len(sent):]
         if rest:
             yield rest
+
+    def close(self) -> None:
+        """Stop following the request and cancel it (its row frees within a step)."""
+        events = getattr(self, "_events", None)
+        if events is not None:
+            events.close()
+        elif self.result is None:
+            self._pending.queues.cancel(self.request_id)
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _safe_text(self, ids: list[int]) -> str:
         text, _ = cut_at_stop(self._prepared.tokenizer.decode(ids), self._prepared.stops)

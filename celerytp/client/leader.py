@@ -16,6 +16,7 @@ import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import allow_join_result
 
+from celerytp.client.control_rpc import control_call
 from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
 from celerytp.client.generation import MODES, GenerationResult, TokenStream, check_spec, finish, prepare, run_steps
 from celerytp.client.progress import LoadProgress
@@ -23,10 +24,12 @@ from celerytp.client.requests import LOOP_START_TTL_S, PendingRequest, RequestQu
 from celerytp.core import protocol as p
 from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name, queue_name
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
-from celerytp.core.keys import heal_lock_key, loop_key, loop_stats_key, members_key, models_key, owner_key, queue_key
+from celerytp.core.keys import (
+    broken_key, comm_key, heal_lock_key, loop_key, loop_stats_key, members_key, models_key, owner_key, queue_key,
+)
 from celerytp.core.liveness import HeartbeatTiming, RankWatch, read_owners
 from celerytp.core.model_files import default_model_path
-from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
+from celerytp.core.redis_scripts import RELEASE_IF_HOLDER, RENEW_IF_HOLDER
 from celerytp.core.registry import model_record
 from celerytp.core.safe_transport import dead_letter_key
 from celerytp.core.sampling import SamplingParams
@@ -34,12 +37,39 @@ from celerytp.core.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 GROUP_FORMING_OPS = ("ping", "init", "shutdown")  # run on the workers as they are, healed or not
-LIVENESS_CHECK_S = 0.25
-HEAL_LOCK_TTL_S = 600  # a leader that dies while healing frees the lock after this  # how often a waiting op looks at the ranks' heartbeats
+LIVENESS_CHECK_S = 0.25  # how often a waiting op looks at the ranks' heartbeats
+HEAL_LOCK_TTL_S = 10  # renewed while the heal runs; a leader that dies while healing frees it after this
+HEAL_WAIT_S = 10.0  # one wait of a heal's ping/init/unload: a message eaten by a dying rank costs this, then a retry
 
 
 def _no_worker(op: str, ranks: list[int], why: str) -> CeleryTPError:
     return CeleryTPError.from_failures(op, [RankFailure(r, ErrorKind.RANK_LOST, why) for r in ranks])
+
+
+# Failures after which a heal (or an op that meets them) tries again once the group re-formed.
+_HEAL_AGAIN = {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.INIT_FAILED, ErrorKind.GROUP_BROKEN}
+
+
+class _LockRenewal:
+    """Keeps a Redis lock held while its holder works: extends its TTL every third of it, so the
+    lock outlives a long heal (model reloads) yet frees within one TTL of its holder's death."""
+
+    def __init__(self, client: redis.Redis, key: str, token: str, ttl_s: float):
+        self._stopped = threading.Event()
+        self._renew = client.register_script(RENEW_IF_HOLDER)
+
+        def run() -> None:
+            while not self._stopped.wait(ttl_s / 3):
+                try:
+                    if not self._renew(keys=[key], args=[token, int(ttl_s * 1000)]):
+                        return  # lost it (expired while this process stalled): nothing to renew
+                except redis.RedisError as exc:
+                    log.warning("renewing the heal lock: %s", exc)
+
+        threading.Thread(target=run, name="celerytp-heal-lock", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 class _RanksLost(Exception):
@@ -85,15 +115,32 @@ class Leader:
     # ---- foundation ops ---------------------------------------------------------------
 
     def ping(self, timeout: float | None = None) -> list[p.Pong]:
-        return self.call("ping", timeout=timeout)
+        """Every rank's pong, through the ranks' control path: it never waits behind an op."""
+        owners = self._live_owners("ping")
+        watch = RankWatch(self.redis, self.group, owners, self._timing)
+        replies = control_call(self.redis, self.group, self.world_size, "ping", self.timeout if timeout is None else timeout, watch)
+        return [p.parse_reply(r) for r in replies]
 
     def init(self, comm_id: str | None = None, timeout_s: float = 60.0) -> list[p.InitOk]:
         """Form a new process group epoch (a fresh comm_id unless one is given)."""
         comm_id = comm_id or uuid.uuid4().hex
         replies = self.call("init", {"comm_id": comm_id, "timeout_s": timeout_s}, timeout=timeout_s + 30)
         owners = read_owners(self.redis, self.group, self.world_size)
-        self.redis.set(members_key(self.group), json.dumps([o.decode() if o else None for o in owners]))
+        pipe = self.redis.pipeline()
+        pipe.set(members_key(self.group), json.dumps([o.decode() if o else None for o in owners]))
+        pipe.set(comm_key(self.group), comm_id)
+        pipe.execute()
         return replies
+
+    def ensure_formed(self) -> None:
+        """Form the group only when it is not: a rank with no group, ranks in different epochs, or a
+        broken one. A live group is used as it is, with its models loaded (`celerytp check`)."""
+        pongs = self.ping()
+        comms = {pong.comm_id for pong in pongs}
+        if None in comms or len(comms) != 1 or any(pong.group_broken for pong in pongs):
+            self.init()
+        else:
+            self._ensure_group()  # a replaced worker or a broken epoch: heal
 
     def sanity_check(self) -> list[p.SanityResult]:
         return self.call("sanity_check")
@@ -294,9 +341,11 @@ class Leader:
         pipe.get(members_key(self.group))
         pipe.mget([owner_key(self.group, r) for r in range(self.world_size)])
         pipe.hgetall(models_key(self.group))
-        members, owners, models = pipe.execute()
+        pipe.mget([comm_key(self.group), broken_key(self.group)])
+        members, owners, models, (comm, broken) = pipe.execute()
         now = [o.decode() if o else None for o in owners]
         regroup = members is not None and json.loads(members) != now  # no record (Redis restarted): it stands
+        regroup = regroup or (broken is not None and broken == comm)  # a rank reported this epoch broken
         stale = [k.decode() for k, v in models.items() if json.loads(v).get("holders", now) != now]
         return regroup, stale
 
@@ -326,17 +375,19 @@ class Leader:
             if time.monotonic() > deadline:
                 raise CeleryTPError(ErrorKind.TIMEOUT, "another leader is still healing the group", op="heal")
             time.sleep(0.2)
+        renewing = _LockRenewal(self.redis, lock, token, HEAL_LOCK_TTL_S)
         try:
             while any(self._damage()):
                 try:
                     self._heal_once(deadline)
                 except CeleryTPError as exc:
-                    if not exc.kinds & {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.INIT_FAILED}:
+                    if not exc.kinds & _HEAL_AGAIN:
                         raise
                     if time.monotonic() > deadline:
                         raise CeleryTPError.from_failures("heal", exc.failures) from None
                     time.sleep(0.5)  # a rank was lost again while healing: wait for it
         finally:
+            renewing.stop()
             self.redis.eval(RELEASE_IF_HOLDER, 1, lock, token)
 
     def _heal_once(self, deadline: float) -> None:
@@ -345,28 +396,28 @@ class Leader:
                 raise _no_worker("heal", missing, "no live worker came back for this rank")
             time.sleep(0.2)
         regroup, stale = self._damage()
-        pongs = self._call("ping", None, self.timeout)
+        pongs = self.ping(HEAL_WAIT_S)
         records = {model_id: record for pong in reversed(pongs) for model_id, record in pong.models.items()}
         records.update((k.decode(), json.loads(v)) for k, v in self.redis.hgetall(models_key(self.group)).items())
         if regroup:
             with self.app.connection_for_write() as conn:  # ops published to the broken group
                 for rank in range(self.world_size):
                     conn.default_channel.queue_purge(queue_name(self.group, rank))
-            self.init()
+            self.init(timeout_s=HEAL_WAIT_S * 3)
         for model_id, record in records.items():
             if not regroup and model_id not in stale:
                 continue
             self.redis.delete(loop_key(self.group, model_id))
             if any(model_id in pong.models for pong in pongs):
                 try:
-                    self._call("unload", {"model_id": model_id}, self.timeout)
+                    self._call("unload", {"model_id": model_id}, HEAL_WAIT_S)
                 except CeleryTPError as exc:
                     if exc.kinds != {ErrorKind.MODEL_NOT_LOADED}:
                         raise
             try:
                 self._load(model_id, record["load"])
             except CeleryTPError as exc:
-                if exc.kinds & {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT}:
+                if exc.kinds & _HEAL_AGAIN:
                     raise  # the group broke again: heal again
                 log.error("model %s could not be loaded again after a rank was replaced, so it is unloaded: %s", model_id, exc)
                 self.redis.hdel(models_key(self.group), model_id)
@@ -397,7 +448,7 @@ class Leader:
     ) -> list[Any]:
         for attempt in range(2):
             owners = self._live_owners(op)
-            with self._local_lock:
+            with self._local_lock:  # publishing only: a ping never waits for another thread's op
                 try:
                     sent = self._publisher.publish(
                         op_task_name(op), lambda seq, epoch: {"op": op, "seq": seq, "epoch": epoch, **(fields or {})},
@@ -405,7 +456,7 @@ class Leader:
                     )
                 except DispatchLockTimeout as exc:
                     raise CeleryTPError(ErrorKind.TIMEOUT, str(exc), op=op) from None
-                combined = self._wait(op, sent, timeout, on_wait, owners)
+            combined = self._wait(op, sent, timeout, on_wait, owners)
             failures = [
                 RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
                 for r in combined["replies"]

@@ -9,6 +9,7 @@ runs starts one itself, so no request is stranded (core/redis_scripts.py has the
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +22,9 @@ from celerytp.core.keys import cancel_key, loop_key, queue_key, stream_key
 from celerytp.core.liveness import RankWatch
 from celerytp.core.protocol import RowResult
 from celerytp.core.redis_scripts import RESTART_IF_STRANDED, SUBMIT
+from celerytp.core.stream_record import StreamRecord
+
+log = logging.getLogger(__name__)
 
 LOOP_START_TTL_S = 120  # the loop flag until the loop's rank 0 takes it over (it may queue behind an op)
 STRANDED_CHECK_S = 0.5  # how often a waiter with no news checks that a loop will take its request
@@ -103,7 +107,7 @@ class RequestQueues:
                 ttft_s=0.0, decode_s=0.0,
             )
             key = stream_key(self._group, request_id)
-            self._redis.xadd(key, {"done": result.model_dump_json()})
+            self._redis.xadd(key, StreamRecord.of_result(result).to_fields())
             self._redis.expire(key, CANCEL_TTL_S)
 
     def events(
@@ -113,6 +117,7 @@ class RequestQueues:
         rank_lost (and leaves the queue) when a rank's worker dies while it waits."""
         key = stream_key(self._group, request_id)
         last, checked, missing = "0-0", time.monotonic(), 0
+        finished = False
         try:
             while True:
                 now = time.monotonic()
@@ -133,19 +138,33 @@ class RequestQueues:
                     continue
                 for entry_id, fields in reply[0][1]:
                     last = entry_id
-                    if b"t" in fields:
-                        yield Token(int(fields[b"t"]))
-                    elif b"done" in fields:
-                        yield Done(RowResult.model_validate_json(fields[b"done"]))
+                    record = StreamRecord.from_fields(fields)
+                    if record.token is not None:
+                        yield Token(record.token)
+                    elif record.done is not None:
+                        finished = True
+                        yield Done(record.done)
                         return
-                    elif b"error" in fields:
-                        error = json.loads(fields[b"error"])
-                        if error["kind"] in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
+                    else:
+                        finished = True
+                        if record.error[0] in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
                             self._check_ranks(model_id, item, watch, wait=True)  # name the rank behind it
-                        raise CeleryTPError(error["kind"], error["message"], op="generate")
+                        record.raise_error()
+        except redis.RedisError as exc:
+            raise CeleryTPError(ErrorKind.TIMEOUT, f"request {request_id}: Redis failed while waiting: {exc}") from None
         finally:
-            self._followed.pop(request_id, None)
-            self._redis.delete(key, cancel_key(self._group, request_id))
+            # Abandoned (the caller stopped iterating, was interrupted, or its wait failed): cancel it,
+            # so its row frees within a step. The cancel key is left to its TTL: rank 0 reads it later.
+            self._followed_end(request_id, key, abandoned=not finished)
+
+    def _followed_end(self, request_id: str, key: str, abandoned: bool) -> None:
+        try:
+            if abandoned:
+                self.cancel(request_id)
+            self._redis.delete(key)
+        except redis.RedisError as exc:  # the caller already has its answer or its error
+            log.warning("request %s: could not clean up after it: %s", request_id, exc)
+        self._followed.pop(request_id, None)
 
     def _check_ranks(self, model_id: str, item: str, watch: RankWatch, wait: bool = False) -> None:
         lost = watch.lost_soon() if wait else watch.lost()

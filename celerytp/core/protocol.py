@@ -142,6 +142,7 @@ class Pong(Reply):
     comm_id: str | None = None
     rss_bytes: int = 0
     models: dict[str, dict[str, Any]] = {}  # model_id -> the load request that loaded it here
+    group_broken: str | None = None  # why the process group broke while this worker lives (heal re-forms it)
 
 
 class InitOk(Reply):

@@ -2,6 +2,8 @@
 
 # Delete a lock or lease key only while we still hold it (its value is our token).
 RELEASE_IF_HOLDER = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# ARGV: holder token, new TTL in milliseconds. 1: extended; 0: the lock is someone else's or gone.
+RENEW_IF_HOLDER = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 
 # A model's request queue and its serving-loop flag (keys.queue_key, keys.loop_key) change only
 # through these scripts, so a request is never queued with no loop to take it: either the loop

@@ -122,8 +122,12 @@ class ShmGroup:
     # ---- setup and teardown -------------------------------------------------------------
 
     @classmethod
-    def setup(cls, name: str, rank: int, world_size: int, timeout_s: float, slot_bytes: int) -> ShmGroup | None:
-        """Collective over the default (gloo) group: every rank maps the segment or nobody uses it.
+    def setup(
+        cls, name: str, rank: int, world_size: int, timeout_s: float, slot_bytes: int,
+        control_group: dist.ProcessGroup | None = None,
+    ) -> ShmGroup | None:
+        """Collective over `control_group` (a gloo group; None: the default group, which must be
+        gloo): every rank maps the segment or nobody uses it.
 
         Returns None on every rank when any rank cannot map it (another host, no /dev/shm).
         """
@@ -138,7 +142,7 @@ class ShmGroup:
                 ok = 0
         try:
             token = torch.tensor([nonce], dtype=torch.int64)
-            dist.broadcast(token, src=0)  # also orders rank 0's create before the others' open
+            dist.broadcast(token, src=0, group=control_group)  # also orders rank 0's create before the others' open
             if rank != 0:
                 try:
                     mm, ok = _open(path, size, int(token.item()))
@@ -146,7 +150,7 @@ class ShmGroup:
                     log.warning("shared-memory collectives off: cannot map %s: %s", path, exc)
                     ok = 0
             flag = torch.tensor([ok], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control_group)
         finally:
             if rank == 0 and mm is not None:
                 os.unlink(path)  # every rank that could map it has: the name is never left behind
@@ -295,8 +299,13 @@ def _open(path: str, size: int, nonce: int) -> tuple[mmap.mmap | None, int]:
 _active: ShmGroup | None = None
 
 
-def attach(group: str, comm_id: str, rank: int, world_size: int, timeout_s: float) -> ShmGroup | None:
-    """Set up the segment for the default process group just formed (a collective on every rank).
+def attach(
+    group: str, comm_id: str, rank: int, world_size: int, timeout_s: float,
+    control_group: dist.ProcessGroup | None = None,
+) -> ShmGroup | None:
+    """Set up the segment of a group epoch just formed (a collective over `control_group`, a gloo
+    group; every rank calls it). It serves the control channel and, for CPU ranks, the model
+    group's small collectives: both run in one order on every rank.
 
     Off (returns None on every rank) when the switch says so or the group is a single rank; every
     rank must see the same switch, since the setup is itself a collective.
@@ -306,7 +315,7 @@ def attach(group: str, comm_id: str, rank: int, world_size: int, timeout_s: floa
         return None
     slot_bytes = int(os.environ.get(ENV_MAX_BYTES, DEFAULT_MAX_BYTES))
     global _active
-    _active = ShmGroup.setup(segment_name(group, comm_id), rank, world_size, timeout_s, slot_bytes)
+    _active = ShmGroup.setup(segment_name(group, comm_id), rank, world_size, timeout_s, slot_bytes, control_group)
     return _active
 
 

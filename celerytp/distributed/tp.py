@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -10,6 +11,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from celerytp.distributed import shm
+from celerytp.distributed.control import checked
+
+# Tests set this on every rank to prove that the model's group carries model tensors only (the
+# two-channel rule, docs/design.md): any other tensor handed to it is refused loudly.
+STRICT_ENV = "CELERYTP_STRICT_MODEL_GROUP"
+_STRICT = os.environ.get(STRICT_ENV, "").strip() in ("1", "true", "yes")
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -45,21 +52,12 @@ class TPContext:
         if self.world_size > 1 and torch.compiler.is_compiling():
             return torch.ops.celerytp.all_reduce(tensor, id(self))
         if self.world_size > 1:
+            self._check(tensor)
             fast = self._shm(tensor)
             if fast is not None:
-                fast.all_reduce(tensor)
+                checked(lambda: fast.all_reduce(tensor))
             else:
-                dist.all_reduce(tensor, group=self.group)
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite `tensor` in place with rank `src`'s value and return it."""
-        if self.world_size > 1:
-            fast = self._shm(tensor)
-            if fast is not None:
-                fast.broadcast(tensor, src)
-            else:
-                dist.broadcast(tensor, src=src, group=self.group)
+                checked(lambda: dist.all_reduce(tensor, group=self.group))
         return tensor
 
     def gather_last_dim(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -72,13 +70,26 @@ class TPContext:
         if tensor.shape[-1] != sizes[self.rank]:
             raise ValueError(f"rank {self.rank}: last dim {tensor.shape[-1]} != its size {sizes[self.rank]}")
         padded = F.pad(tensor, (0, max(sizes) - tensor.shape[-1])).contiguous()
+        self._check(padded)
         fast = self._shm(padded)
         if fast is not None:
-            parts = list(fast.all_gather(padded))
+            parts = list(checked(lambda: fast.all_gather(padded)))
         else:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-            dist.all_gather(parts, padded, group=self.group)
+            checked(lambda: dist.all_gather(parts, padded, group=self.group))
         return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+
+    def _check(self, tensor: torch.Tensor) -> None:
+        """Strict mode: the model's group takes floating-point activations on the model's device
+        (a CUDA tensor on an NCCL group) and nothing else."""
+        if not _STRICT:
+            return
+        on_device = tensor.is_cuda if dist.get_backend(self.group) == "nccl" else True
+        if not tensor.is_floating_point() or not on_device:
+            raise AssertionError(
+                f"control data on the model's group: a {tensor.dtype} tensor on {tensor.device} "
+                "(control data goes through the control group, distributed/control.py)"
+            )
 
     def _shm(self, tensor: torch.Tensor) -> shm.ShmGroup | None:
         """The default group's shared-memory path when it is set up and the tensor is small.

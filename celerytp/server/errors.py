@@ -17,6 +17,7 @@ STATUS: dict[ErrorKind, int] = {
     ErrorKind.OVERLOADED: 429,
     ErrorKind.RANK_LOST: 503,
     ErrorKind.NOT_INITIALISED: 503,
+    ErrorKind.GROUP_BROKEN: 503,
     ErrorKind.DEVICE_UNAVAILABLE: 503,
     ErrorKind.TIMEOUT: 504,
 }

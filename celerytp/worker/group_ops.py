@@ -18,7 +18,8 @@ def ping(state: RankState, request: p.PingRequest) -> p.Pong:
     device = str(state.device) if state.device is not None else f"unavailable:{state.config.device}"
     return p.Pong(
         rank=state.rank, world_size=state.world_size, device=device, comm_id=state.comm_id,
-        rss_bytes=rss_bytes(), models={model_id: entry.record for model_id, entry in state.models.items()},
+        rss_bytes=rss_bytes(), models={model_id: entry.record for model_id, entry in dict(state.models).items()},
+        group_broken=state.group_broken,
     )
 
 
@@ -30,11 +31,19 @@ def init(state: RankState, request: p.InitRequest) -> p.InitOk:
 
 
 def sanity_check(state: RankState, request: p.SanityCheckRequest) -> p.SanityResult:
-    one = torch.ones(1, dtype=torch.int64, device=state.device)
-    state.collective(lambda: dist.all_reduce(one))
-    observed = int(one.item())
-    if observed != state.world_size:
-        raise CeleryTPError(ErrorKind.SANITY_FAILED, f"all-reduce of 1 gave {observed}, expected {state.world_size}")
+    """Both channels: a float all-reduce of 1 on the model's group (on the model's device) and an
+    integer one on the control group."""
+    one = torch.ones(1, dtype=torch.float32, device=state.device)
+    state.collective(lambda: state.tp.all_reduce(one))
+    votes = torch.ones(1, dtype=torch.int64)
+    state.collective(lambda: state.control.all_reduce(votes))
+    observed, control = int(one.item()), int(votes.item())
+    if observed != state.world_size or control != state.world_size:
+        raise CeleryTPError(
+            ErrorKind.SANITY_FAILED,
+            f"all-reduce of 1 gave {observed} on the model group and {control} on the control group, "
+            f"expected {state.world_size}",
+        )
     return p.SanityResult(rank=state.rank, observed_sum=observed)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from celerytp.core.tokenizer import Tokenizer
 from celerytp.models import CausalLM
 from celerytp.worker.sampling import RowSampler
 
@@ -24,6 +25,7 @@ class LoadedModel:
     history: list[int] = field(default_factory=list)  # step mode's tokens in its row (repetition penalty)
     step_sampler: RowSampler | None = None  # rank 0: step mode's sampling state
     row_tokens: dict[int, list[int]] = field(default_factory=dict)  # served rows: tokens in each (prefix reuse)
+    tokenizer: Tokenizer | None = None  # rank 0: read and checked at load (stop strings); None: ids only
 
     def reset_sequence(self) -> None:
         """Forget step mode's sequence; the served rows are not touched."""

@@ -36,6 +36,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         return exits.REFUSED
     # Imports torch and the models: only rank workers pay for them.
     from celerytp.worker.state import RankState, rss_bytes
+    from celerytp.worker.control_thread import ControlThread
     from celerytp.worker.tasks import register_tasks
     from celerytp.worker.watchdog import PeerWatchdog
 
@@ -52,6 +53,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         state.stop_requested = True
 
     PeerWatchdog(state, lease.timing, on_exit=lease.release).start()
+    ControlThread(state).start()  # ping and status beside the op thread: never behind a load
     argv = [
         "worker",
         "--queues", queue_name(config.group, config.rank),

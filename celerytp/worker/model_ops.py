@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from celerytp.core import protocol as p
 from celerytp.core.errors import CeleryTPError, ErrorKind
@@ -16,6 +15,7 @@ from celerytp.core.keys import load_progress_key
 from celerytp.core.model_files import default_model_path
 from celerytp.core.registry import LOAD_FIELDS, model_record
 from celerytp.core.sampling import SamplingParams
+from celerytp.core.tokenizer import Tokenizer, load_tokenizer
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.models import load_model
 from celerytp.quant.plan import quant_summary
@@ -81,14 +81,41 @@ def model_entry(state: RankState, model_id: str) -> LoadedModel:
     return entry
 
 
+def serving_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer rank 0 serves a model with (stop strings), checked at load: a corrupt one, or
+    a chat template that does not render, fails the load. None for a checkpoint that ships no
+    tokenizer at all: it is served by token ids (requests with stop strings are refused)."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except CeleryTPError as exc:
+        if not _has_tokenizer_files(path):
+            return None
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"tokenizer: {exc.message}") from None
+    if tokenizer.chat_template:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+        except CeleryTPError as exc:
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"chat template: {exc.message}") from None
+    return tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return path.is_file() or any((path / name).exists() for name in _TOKENIZER_FILES) or any(path.glob("*.gguf"))
+
+
 def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     if request.model_id in state.models:
         raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
     dtype_name = request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
     started = time.monotonic()
-    model, failure = None, None
+    model, tokenizer, failure = None, None, None
     try:
         path = confine(request.path, state.config.model_roots)
+        if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
+            tokenizer = serving_tokenizer(path)
         model = load_model(
             path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
             max_context=request.max_context, max_batch=request.max_batch,
@@ -101,22 +128,24 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     except Exception as exc:  # a broken file must not take the worker down
         log.exception("load of %s failed", request.model_id)
         failure = CeleryTPError(ErrorKind.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
-    # All ranks or none: every rank learns whether every rank succeeded, then commits or rolls back.
-    ok = torch.tensor([0 if failure else 1], dtype=torch.int64, device=state.device)
-    state.collective(lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN))
     state.redis.delete(load_progress_key(state.config.group, request.model_id))
-    if failure is None and int(ok.item()) == 0:
-        failure = CeleryTPError(ErrorKind.LOAD_FAILED, "rolled back: the load failed on another rank")
-    if failure is not None:
+    # All ranks or none: one agreement on the control group, then every rank commits or rolls back.
+    try:
+        state.collective(lambda: state.control.agree(failure))
+    except CeleryTPError as exc:
         del model
         release_memory()
-        raise failure
+        if failure is None and exc.kind not in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"rolled back: {exc.message}") from None
+        raise
     config = model.config
     record = model_record(
         request.model_dump(include=set(LOAD_FIELDS)), dtype=dtype_name, model_type=config.model_type,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,
     )
-    state.models[request.model_id] = LoadedModel(model, str(path), record, request.prefill_budget, request.idle_s)
+    state.models[request.model_id] = LoadedModel(
+        model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer
+    )
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS
     memory = model.memory_report()
     quant_types, fallbacks = quant_summary(model)

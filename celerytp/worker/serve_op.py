@@ -17,11 +17,11 @@ import redis
 
 from celerytp.core import protocol as p
 from celerytp.core.app import op_task_name, queue_name
-from celerytp.core.errors import CeleryTPError
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import cancel_key, loop_key, loop_stats_key, queue_key, stream_key
 from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.redis_scripts import EXIT_IF_IDLE, RELEASE_IF_HOLDER
-from celerytp.core.tokenizer import load_tokenizer
+from celerytp.core.stream_record import StreamRecord
 from celerytp.worker.model_ops import model_entry
 from celerytp.worker.serving import Events, Finished, ServingLoop
 from celerytp.worker.state import RankState
@@ -80,7 +80,7 @@ class RedisRequestSource:
             log.warning("dropping a malformed queued request %.200r: %s", item, exc)
             request_id = data.get("request_id") if isinstance(data, dict) else None
             if isinstance(request_id, str) and 0 < len(request_id) <= 64:
-                self._finish_stream(self._redis, request_id, {"error": _error_json(exc)})
+                self._finish_stream(self._redis, request_id, StreamRecord.of_error(exc))
             return None
 
     def wait(self, seconds: float) -> bool:
@@ -97,9 +97,9 @@ class RedisRequestSource:
     def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
         pipe = self._redis.pipeline(transaction=False)
         for spec, token in events.tokens:
-            pipe.xadd(stream_key(self._group, spec.request_id), {"t": token})
+            pipe.xadd(stream_key(self._group, spec.request_id), StreamRecord.of_token(token).to_fields())
         for spec, finished in events.finished:
-            record = {"error": _error_json(finished.error)} if finished.error else {"done": finished.result.model_dump_json()}
+            record = StreamRecord.of_error(finished.error) if finished.error else StreamRecord.of_result(finished.result)
             self._finish_stream(pipe, spec.request_id, record)
         for key in {stream_key(self._group, spec.request_id) for spec, _ in events.tokens}:
             pipe.expire(key, STREAM_TTL_S)
@@ -114,9 +114,9 @@ class RedisRequestSource:
             return set()
         return {rid for rid, flag in zip(running, results[-1]) if flag is not None}
 
-    def _finish_stream(self, client: redis.Redis | redis.client.Pipeline, request_id: str, record: dict) -> None:
+    def _finish_stream(self, client: redis.Redis | redis.client.Pipeline, request_id: str, record: StreamRecord) -> None:
         key = stream_key(self._group, request_id)
-        client.xadd(key, record)
+        client.xadd(key, record.to_fields())
         client.expire(key, STREAM_TTL_S)
 
     def yield_wanted(self) -> bool:
@@ -148,10 +148,6 @@ def _task_name(message: bytes) -> str | None:
         return None
 
 
-def _error_json(error: CeleryTPError) -> str:
-    return json.dumps({"kind": str(error.kind), "message": error.message})
-
-
 def _empty_result(spec: GenSpec, reason: str) -> RowResult:
     return RowResult(
         request_id=spec.request_id, token_ids=[], finish_reason=reason, prompt_tokens=len(spec.prompt),
@@ -161,13 +157,16 @@ def _empty_result(spec: GenSpec, reason: str) -> RowResult:
 
 def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
     entry = model_entry(state, request.model_id)
-    source = None
-    decode = None
-    if state.rank == 0:
+    source, failure = None, None
+    if state.rank == 0:  # rank 0's own setup, guarded: whatever fails here fails the op on every rank
         source = RedisRequestSource(state.redis, state.config.group, request.model_id, request.loop_id)
-        source.start()
-        decode = load_tokenizer(entry.path).decode
-    loop = ServingLoop(entry.model, state.tp, entry.row_tokens, entry.prefill_budget, entry.idle_s, source, decode)
+        try:
+            source.start()
+        except redis.RedisError as exc:
+            failure = CeleryTPError(ErrorKind.INTERNAL, f"rank 0 could not start the serving loop: Redis: {exc}")
+    state.collective(lambda: state.control.agree(failure))
+    decode = entry.tokenizer.decode if entry.tokenizer is not None else None  # read and checked at load
+    loop = ServingLoop(entry.model, state.control, entry.row_tokens, entry.prefill_budget, entry.idle_s, source, decode)
     started = time.perf_counter()
     try:
         stats = state.run_model(loop.run)

@@ -1,6 +1,6 @@
 """The serving loop (continuous batching): every rank runs it in lockstep while a model has work.
 
-Each step starts with one broadcast from rank 0, the plan: the token each running row feeds
+Each step starts with one broadcast from rank 0 on the control group (distributed/control.py), the plan: the token each running row feeds
 next or that the row is done, and the requests admitted into free cache rows (with how much
 of their prompt a row already holds). Then every rank runs the same forwards: one decode over
 the first R cache rows (finished or free rows ride along masked, no cache is copied) and
@@ -22,8 +22,8 @@ import torch
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.stopping import StopChecker
-from celerytp.core.validation import check_tokens, sampling_params
-from celerytp.distributed.tp import TPContext
+from celerytp.core.validation import bad_request, check_tokens, sampling_params
+from celerytp.distributed.control import ControlGroup
 from celerytp.models import CausalLM
 from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
 
@@ -104,7 +104,8 @@ class ServingLoop:
 
     Args:
         model: this rank's shard.
-        tp: the process group (rank 0 plans, samples and broadcasts).
+        control: the control group (rank 0 plans and samples; the plan travels here, never on
+            the model's group).
         row_tokens: tokens held in each served cache row, kept across loops (prefix reuse).
         prefill_budget: prompt tokens run per step.
         idle_s: how long the loop waits for work before it ends.
@@ -115,7 +116,7 @@ class ServingLoop:
     def __init__(
         self,
         model: CausalLM,
-        tp: TPContext,
+        control: ControlGroup,
         row_tokens: dict[int, list[int]],
         prefill_budget: int,
         idle_s: float,
@@ -123,14 +124,14 @@ class ServingLoop:
         decode: Callable[[list[int]], str] | None = None,
     ):
         self.model = model
-        self.tp = tp
+        self.control = control
         self.rows = model.max_batch
         self.row_tokens = row_tokens
         self.prefill_budget = prefill_budget
         self.idle_s = idle_s
         self.source = source
         self.decode = decode
-        self.is_sampler = tp.rank == 0
+        self.is_sampler = control.rank == 0
         self.running: dict[int, Sequence] = {}  # cache row -> its request
         self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0}
         self._news: list[tuple[int, int]] = [(NO_NEWS, 0)] * self.rows
@@ -226,6 +227,8 @@ class ServingLoop:
         check_tokens(spec.prompt, max_context=self.model.max_context, vocab_size=self.model.config.vocab_size,
                      field="prompt")
         sampling_params(spec.sampling)
+        if spec.stop and self.decode is None:
+            raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
 
     def _live_stats(self) -> dict[str, int]:
         return {**self.stats, "running_rows": len(self.running)}
@@ -241,12 +244,12 @@ class ServingLoop:
             payload = json.dumps(extra).encode() if extra else b""
             header[0], header[1] = plan.command, len(payload)
             header[_HEADER:] = torch.tensor(plan.news, dtype=torch.long).flatten()
-        self.tp.broadcast(header, src=0)
+        self.control.broadcast(header, src=0)
         command, size = int(header[0]), int(header[1])
         news = [tuple(pair) for pair in header[_HEADER:].view(self.rows, 2).tolist()]
         if size:
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if plan else torch.empty(size, dtype=torch.uint8)
-            self.tp.broadcast(data, src=0)
+            self.control.broadcast(data, src=0)
             extra = json.loads(data.numpy().tobytes())
         else:
             extra = []

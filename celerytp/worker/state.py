@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.keys import rendezvous_prefix
+from celerytp.core.keys import broken_key, rendezvous_prefix
 from celerytp.core.liveness import read_owners
-from celerytp.distributed import shm
+from celerytp.distributed import control, shm
+from celerytp.distributed.control import CollectiveFailed, ControlGroup
 from celerytp.distributed.store import RedisStore
 from celerytp.distributed.tp import TPContext
 from celerytp.worker.config import RankConfig
@@ -45,8 +46,7 @@ def resolve_device(spec: str, rank: int) -> torch.device:
     return device
 
 
-# Words by which gloo/NCCL failures that are not typed DistError show themselves.
-_COLLECTIVE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "peer")
+BROKEN_TTL_S = 3600  # a broken-group report outlives any heal that could act on it
 
 class RankState:
     """Everything one rank keeps between tasks: device, process group, loaded models."""
@@ -63,7 +63,8 @@ class RankState:
         self.members: list[bytes | None] = []  # each rank's heartbeat value when the group formed
         self.in_collective_op = False  # the watchdog's cue (worker/watchdog.py)
         self.stop_requested = False  # set on SIGTERM/SIGINT: the worker's stop is not a failure
-        self.tp = TPContext(config.rank, config.world_size)
+        self.tp = TPContext(config.rank, config.world_size)  # the model's group: model tensors only
+        self.control = ControlGroup(config.rank, config.world_size, None, None)  # everything else
         self.models: dict[str, LoadedModel] = {}
         try:
             self.device = resolve_device(config.device, config.rank)
@@ -99,10 +100,10 @@ class RankState:
         rank that lost its models) all refuse the op instead of one of them waiting alone.
         """
         n = self.world_size
-        mine = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+        mine = torch.zeros(2 * n, dtype=torch.int64)
         mine[self.rank] = seq
         mine[n + self.rank] = int(model_id in self.models) if model_id is not None else 0
-        self.collective(lambda: dist.all_reduce(mine))
+        self.collective(lambda: self.control.all_reduce(mine))
         seqs, holds = mine[:n].tolist(), mine[n:].tolist()
         if len(set(seqs)) != 1:
             raise CeleryTPError(
@@ -122,21 +123,32 @@ class RankState:
 
     def require_group(self) -> None:
         if self.group_broken:
-            raise CeleryTPError(ErrorKind.NOT_INITIALISED, f"process group is broken ({self.group_broken}); init with a new comm_id")
+            raise CeleryTPError(
+                ErrorKind.GROUP_BROKEN, f"process group {self.comm_id} is broken ({self.group_broken}); init with a new comm_id"
+            )
         if self.comm_id is None or not dist.is_initialized():
             raise CeleryTPError(ErrorKind.NOT_INITIALISED, "no process group: send init first")
 
     def collective(self, fn: Callable[[], Any]) -> Any:
-        """Run code that enters collectives; a timeout or a lost peer marks the group broken."""
+        """Run code that enters collectives; a timeout or a lost peer (a CollectiveFailed, raised by
+        either channel's wrappers) marks the group broken and tells the leaders to re-form it."""
         try:
             return fn()
-        except RuntimeError as exc:
-            text = str(exc)
-            if not isinstance(exc, dist.DistError) and not any(w in text.lower() for w in _COLLECTIVE_WORDS):
-                raise  # an ordinary failure of the code, not of the group
-            self.group_broken = text.splitlines()[0][:200] if text else type(exc).__name__
-            kind = ErrorKind.TIMEOUT if "timed out" in text.lower() or "timeout" in text.lower() else ErrorKind.RANK_LOST
+        except CollectiveFailed as exc:
+            self.mark_broken(str(exc))
+            kind = ErrorKind.TIMEOUT if exc.timed_out else ErrorKind.RANK_LOST
             raise CeleryTPError(kind, f"collective failed: {self.group_broken}") from exc
+
+    def mark_broken(self, why: str) -> None:
+        """The group cannot be trusted any more (a peer may sit in a collective this rank left):
+        refuse collective ops and tell the leaders (core/keys.broken_key), whose healer re-forms it."""
+        self.group_broken = why or "collective failed"
+        if self.comm_id is None:
+            return
+        try:
+            self.redis.set(broken_key(self.config.group), self.comm_id, ex=BROKEN_TTL_S)
+        except redis.RedisError as exc:  # the leaders also see the op's error itself
+            log.warning("could not report the broken group: %s", exc)
 
     def run_model(self, fn: Callable[[], Any]) -> Any:
         """Run model code (forwards and their collectives); any failure of it is forward_failed."""
@@ -164,8 +176,8 @@ class RankState:
                 backend, store=store, rank=self.rank, world_size=self.world_size,
                 timeout=timedelta(seconds=timeout_s), **kwargs,
             )
-            if backend == "gloo":  # same-host CPU ranks: small collectives through shared memory
-                shm.attach(self.config.group, comm_id, self.rank, self.world_size, timeout_s)
+            # The control channel: a CPU gloo group beside the model's, with shared memory on one host.
+            self.control = control.form(self.rank, self.world_size, self.config.group, comm_id, timeout_s)
         except Exception as exc:
             raise CeleryTPError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
         self.comm_id = comm_id
@@ -175,6 +187,7 @@ class RankState:
 
     def destroy_group(self) -> None:
         shm.detach()
+        self.control = ControlGroup(self.rank, self.world_size, None, None)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

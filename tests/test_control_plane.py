@@ -1,0 +1,169 @@
+"""The two channels and guarded steps (docs/design.md): control data never travels on the model's
+group, a failure that one rank alone meets fails the op on every rank at once, and a model is
+loaded only if it can serve.
+
+Strict mode (CELERYTP_STRICT_MODEL_GROUP=1) stands in for NCCL, which cannot run here: the model's
+group refuses every tensor that is not a floating-point activation, as NCCL refuses CPU tensors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from celerytp import Leader
+from celerytp.cluster import LocalCluster
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.keys import broken_key, comm_key
+from celerytp.core.model_files import default_model_path
+from celerytp.core.tokenizer import load_tokenizer
+from celerytp.distributed import tp as tp_module
+from celerytp.distributed.tp import TPContext
+from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama with a real tokenizer (SmolLM2's, saved beside it as a Hugging Face directory has it)."""
+    model_type, kwargs = TINY_CONFIGS["llama_gqa_bias"]
+    model = make_hf_model(model_type, kwargs, seed=3)
+    path = tmp_path_factory.mktemp("control") / "tiny"
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(default_model_path()).save(path)
+    return model.config.vocab_size, path
+
+
+@pytest.fixture(scope="module")
+def strict(tiny):
+    _, path = tiny
+    env = {"CELERYTP_STRICT_MODEL_GROUP": "1"}
+    with LocalCluster(world_size=2, group="strict", model_roots=[str(path.parent)], env=env) as cluster:
+        yield cluster
+
+
+def test_strict_mode_refuses_control_data_on_the_model_group(monkeypatch, tmp_path):
+    """The check the cluster test relies on: it can fail (a 1-rank gloo group; the check runs first)."""
+    monkeypatch.setattr(tp_module, "_STRICT", True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tp = TPContext(0, 2)
+        for tensor in (torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.uint8)):
+            with pytest.raises(AssertionError, match="control data on the model's group"):
+                tp.all_reduce(tensor)
+            with pytest.raises(AssertionError, match="control data on the model's group"):
+                tp.gather_last_dim(tensor, [4, 4])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_op_and_batched_serving_keep_control_off_the_model_group(strict, tiny):
+    vocab, path = tiny
+    leader = strict.leader
+    assert [r.observed_sum for r in leader.sanity_check()] == [2, 2]
+    leader.load("tiny", path, idle_s=0.2)
+    step = leader.step("tiny", make_prompt(vocab, 6), 0)
+    assert step.token is not None
+    specs = [{"request_id": f"b{i}", "prompt": make_prompt(vocab, 5 + i, seed=i), "max_tokens": 12,
+              "stream": i == 0, "stop": ["zz"] if i == 1 else []} for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:  # together: one loop decodes them in one batch
+        results = list(pool.map(lambda spec: leader.submit("tiny", spec).result(120), specs))
+    assert all(r.finish_reason in ("length", "stop") and r.token_ids for r in results)
+    assert leader.serving_stats("tiny")["peak_rows"] >= 2
+    streamed = [e for e in leader.submit("tiny", dict(specs[0], request_id="s")).events(120)]
+    assert len(streamed) >= 2  # tokens, then the result
+    assert all(p.group_broken is None for p in leader.ping())
+    leader.unload("tiny")
+
+
+def test_a_corrupt_tokenizer_fails_the_load_on_every_rank(strict, tiny, tmp_path):
+    _, good = tiny
+    bad = good.parent / "bad-tokenizer"
+    shutil.copytree(good, bad)
+    (bad / "tokenizer.json").write_text("{ this is not a tokenizer")
+    leader = strict.leader
+    started = time.monotonic()
+    with pytest.raises(CeleryTPError) as caught:
+        leader.load("bad", bad)
+    assert time.monotonic() - started < 30
+    by_rank = {f.rank: f for f in caught.value.failures}
+    assert set(by_rank) == {0, 1} and caught.value.kinds == {ErrorKind.LOAD_FAILED}
+    assert "tokenizer" in by_rank[0].message and "rolled back: rank 0" in by_rank[1].message
+    assert all("bad" not in p.models for p in leader.ping())
+    assert [r.observed_sum for r in leader.sanity_check()] == [2, 2]  # the group is still whole
+
+
+def test_a_tokenizer_corrupted_after_load_does_not_stop_serving(strict, tiny):
+    """Rank 0 read and checked it at load: serving never reads the file again."""
+    vocab, good = tiny
+    path = good.parent / "later-corrupted"
+    shutil.copytree(good, path)
+    leader = strict.leader
+    leader.load("later", path, idle_s=0.2)
+    (path / "tokenizer.json").write_text("garbage")
+    result = leader.submit("later", {"request_id": "c1", "prompt": make_prompt(vocab, 4), "max_tokens": 4,
+                                     "stop": ["xyz"]}).result(60)
+    assert len(result.token_ids) == 4
+    leader.unload("later")
+
+
+def test_redis_refusing_rank_0_fails_every_rank_at_once(strict, tiny):
+    """Redis refuses rank 0's write in the serving loop (its stats key holds another type): the
+    request gets a typed error within seconds, no rank waits in a collective, the group stays whole."""
+    vocab, path = tiny
+    leader = strict.leader
+    leader.load("refused", path, idle_s=0.2)
+    from celerytp.core.keys import loop_stats_key
+
+    leader.redis.set(loop_stats_key(strict.group, "refused"), "not a hash")
+    started = time.monotonic()
+    with pytest.raises(CeleryTPError) as caught:
+        leader.submit("refused", {"request_id": "r1", "prompt": make_prompt(vocab, 4), "max_tokens": 4}).result(60)
+    assert time.monotonic() - started < 10
+    assert caught.value.kind is ErrorKind.INTERNAL and "WRONGTYPE" in caught.value.message
+    leader.redis.delete(loop_stats_key(strict.group, "refused"))
+    assert [r.observed_sum for r in leader.sanity_check()] == [2, 2]
+    result = leader.submit("refused", {"request_id": "r2", "prompt": make_prompt(vocab, 4), "max_tokens": 4}).result(60)
+    assert len(result.token_ids) == 4
+    leader.unload("refused")
+
+
+def test_a_broken_group_is_reported_and_healed_while_every_process_lives(strict, tiny):
+    """A rank whose group broke says so (group_broken in ping, the broken key); the next op heals."""
+    vocab, path = tiny
+    leader = strict.leader
+    leader.load("heal", path, idle_s=0.2)
+    before = leader.ping()[0].comm_id
+    assert leader.redis.get(comm_key(strict.group)).decode() == before
+    leader.redis.set(broken_key(strict.group), before)  # as a rank writes it when a collective fails
+    result = leader.submit("heal", {"request_id": "h1", "prompt": make_prompt(vocab, 4), "max_tokens": 4}).result(120)
+    assert len(result.token_ids) == 4
+    pongs = leader.ping()
+    assert pongs[0].comm_id != before and all("heal" in p.models for p in pongs)
+    leader.unload("heal")
+
+
+def test_ping_answers_during_a_load_from_the_same_and_another_leader(strict):
+    """Control never waits behind work: not in the Leader (no lock across an op's wait) and not on
+    the ranks (their control path answers beside the op thread)."""
+    leader = strict.leader
+    other = Leader(strict.broker_url, strict.group, strict.world_size)
+    loading = threading.Thread(target=lambda: leader.load("big", None, quant="f32"))
+    started = time.monotonic()
+    loading.start()
+    pings: list[float] = []
+    while loading.is_alive():
+        for who in (leader, other):
+            begun = time.monotonic()
+            assert len(who.ping(timeout=10)) == 2
+            pings.append(time.monotonic() - begun)
+        time.sleep(0.1)
+    load_s = time.monotonic() - started
+    leader.unload("big")
+    assert len(pings) >= 4 and load_s > 2
+    assert max(pings) < min(1.0, load_s / 2), (pings, load_s)
