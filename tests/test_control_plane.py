@@ -167,3 +167,36 @@ def test_ping_answers_during_a_load_from_the_same_and_another_leader(strict):
     leader.unload("big")
     assert len(pings) >= 4 and load_s > 2
     assert max(pings) < min(1.0, load_s / 2), (pings, load_s)
+
+
+def _wait_rows_free(leader, model_id: str, within_s: float) -> float:
+    started = time.monotonic()
+    while leader.serving_stats(model_id).get("running_rows", 0):
+        assert time.monotonic() - started < within_s, "the abandoned request still holds its row"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def test_abandoned_requests_free_their_rows(strict):
+    """A followed stream dropped after 3 tokens, and a wait that timed out, cancel their request:
+    the row frees at once, not after 100,000 tokens (SmolLM2: a context long enough to keep going)."""
+    leader = strict.leader
+    leader.load("abandon", None, idle_s=5)
+    endless = {"prompt": [1, 2, 3, 4], "max_tokens": 100_000, "stream": True}
+    events = leader.submit("abandon", {**endless, "request_id": "drop"}).events(120)
+    for _ in range(3):
+        next(events)
+    del events  # garbage: its generator closes, which cancels the request
+    _wait_rows_free(leader, "abandon", 5)
+    with pytest.raises(CeleryTPError) as caught:
+        leader.submit("abandon", {**endless, "request_id": "late"}).result(0.5)
+    assert caught.value.kind is ErrorKind.TIMEOUT
+    _wait_rows_free(leader, "abandon", 5)
+    # cancel() then leaving: the cancel key survives the caller's exit until rank 0 reads it
+    pending = leader.submit("abandon", {**endless, "request_id": "quit"})
+    events = pending.events(120)
+    next(events)
+    leader.cancel("quit")
+    events.close()
+    _wait_rows_free(leader, "abandon", 5)
+    leader.unload("abandon")

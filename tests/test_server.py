@@ -182,6 +182,33 @@ def test_disconnect_cancels_generation(server, group):
     assert group.leader.serving_stats(MODEL)["steps"] < 500
 
 
+def _rows_free_within(group, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while group.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() < deadline, group.leader.serving_stats(MODEL)
+        time.sleep(0.05)
+
+
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(server, group):
+    """The request counter is plain ASGI: the server sees the disconnect and cancels."""
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2.0)
+    _rows_free_within(group, 5)
+
+
+def test_a_revoked_generate_task_cancels_its_request(group):
+    app = Celery("plain-producer", broker=group.broker_url, backend=group.broker_url)
+    kwargs = {"prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
+    sent = app.send_task("celerytp.generate", kwargs=kwargs, queue="celerytp.srv.requests")
+    deadline = time.monotonic() + 30
+    while not group.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() < deadline, "the task's request never started"
+        time.sleep(0.05)
+    app.control.revoke(sent.id)  # no terminate: the front door's threads pool cannot kill a task
+    _rows_free_within(group, 5)
+
+
 def test_plain_celery_app_sends_generate(group):
     """A producer that knows only the task name, the queue and the broker."""
     app = Celery("plain-producer", broker=group.broker_url, backend=group.broker_url)

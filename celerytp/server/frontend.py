@@ -9,10 +9,13 @@ raised as a builtin RuntimeError so that a producer without celerytp installed c
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
+from celery.worker import state as worker_state
 from kombu import Queue
 
 from celerytp.client.leader import Leader
@@ -23,6 +26,7 @@ from celerytp.server.schemas import TaskRequest, parse
 from celerytp.server.service import Service
 
 GENERATE_TASK = "celerytp.generate"
+ABANDON_POLL_S = 0.2  # how often a running task looks for its own revocation or expiry
 
 
 def requests_queue(group: str) -> str:
@@ -30,14 +34,14 @@ def requests_queue(group: str) -> str:
     return f"celerytp.{group}.requests"
 
 
-def run_request(service: Service, kwargs: dict[str, Any]) -> dict[str, Any]:
+def run_request(service: Service, kwargs: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
     """One `celerytp.generate` request, as the task returns it."""
     body = parse(TaskRequest, kwargs)
     model_id = service.resolve(body.model)
-    result = service.generate(model_id, body.options())
+    result = service.generate(model_id, {**body.options(), **({"request_id": request_id} if request_id else {})})
     return {
         "model": model_id, "text": result.text, "token_ids": result.token_ids,
-        "finish_reason": "length" if result.finish_reason == "length" else "stop",
+        "finish_reason": result.finish_reason if result.finish_reason in ("length", "cancelled") else "stop",
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                   "total_tokens": result.prompt_tokens + result.completion_tokens},
     }
@@ -46,12 +50,38 @@ def run_request(service: Service, kwargs: dict[str, Any]) -> dict[str, Any]:
 def register_generate(app: Celery, service: Callable[[], Service]) -> None:
     """Add the `celerytp.generate` task to `app`; `service` gives the Service to run it on."""
 
-    @app.task(name=GENERATE_TASK)
-    def generate(**kwargs: Any) -> dict[str, Any]:
+    @app.task(name=GENERATE_TASK, bind=True)
+    def generate(task: Task, **kwargs: Any) -> dict[str, Any]:
+        svc, request_id, done = service(), uuid.uuid4().hex, threading.Event()
+        watch = threading.Thread(
+            target=cancel_when_abandoned, args=(svc, request_id, task.request.id, task.request.expires, done), daemon=True
+        )
+        watch.start()
         try:
-            return run_request(service(), kwargs)
+            return run_request(svc, kwargs, request_id)
         except CeleryTPError as exc:
             raise RuntimeError(f"{exc.kind}: {mask_secrets(exc.message)}") from None
+        finally:
+            done.set()
+
+
+def cancel_when_abandoned(service: Service, request_id: str, task_id: str, expires: Any, done: threading.Event) -> None:
+    """Cancel the task's request when the task is revoked (with or without terminate: the threads
+    pool cannot kill a running task) or expires while it runs; its row frees within a step and
+    the task returns with finish_reason "cancelled"."""
+    deadline = _as_datetime(expires)
+    while not done.wait(ABANDON_POLL_S):
+        if task_id in worker_state.revoked or (deadline is not None and datetime.now(timezone.utc) > deadline):
+            service.leader.cancel(request_id)
+            return
+
+
+def _as_datetime(value: Any) -> datetime | None:
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return None
 
 
 def make_frontend_app(broker_url: str, group: str, world_size: int) -> Celery:

@@ -56,13 +56,8 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     async def _problem(request: Request, exc: HTTPProblem) -> JSONResponse:
         return problem_response(exc)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        if metrics is not None:
-            metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    if metrics is not None:
+        app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -135,6 +130,32 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         return JSONResponse(shape.complete(result))
 
     return app
+
+
+class RequestCounter:
+    """Counts responses by route and status. Plain ASGI on purpose: Starlette's BaseHTTPMiddleware
+    (`app.middleware("http")`) hides the client's disconnect, so `request.is_disconnected()` never
+    turned true and a non-streaming request whose client left kept decoding."""
+
+    def __init__(self, app: Any, metrics: Any):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            route = scope.get("route")  # the router writes the matched route into the same scope
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
 
 
 async def json_body(request: Request) -> Any:

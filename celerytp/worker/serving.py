@@ -182,6 +182,7 @@ class ServingLoop:
             if not self._yielding:
                 self._admit(plan)
             if not plan.admissions and len(self.running) == len(_done_rows(plan)):
+                self.source.publish(Events(), [], {**self.stats, "running_rows": 0})  # idle now: say so first
                 if self._yielding or not self.source.wait(self.idle_s) and self.source.try_exit():
                     plan.command = EXIT
                 elif not self._yielding:
