@@ -16,16 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 
 from celerytp import Leader
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.keys import broken_key, comm_key
+from celerytp.core.keys import broken_key, comm_key, dispatch_lock_key, loop_key, loop_stats_key
 from celerytp.core.model_files import default_model_path
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.distributed import tp as tp_module
 from celerytp.distributed.tp import TPContext
-from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,6 @@ def test_redis_refusing_rank_0_fails_every_rank_at_once(strict, tiny):
     vocab, path = tiny
     leader = strict.leader
     leader.load("refused", path, idle_s=0.2)
-    from celerytp.core.keys import loop_stats_key
-
     leader.redis.set(loop_stats_key(strict.group, "refused"), "not a hash")
     started = time.monotonic()
     with pytest.raises(CeleryTPError) as caught:
@@ -200,3 +198,24 @@ def test_abandoned_requests_free_their_rows(strict):
     events.close()
     _wait_rows_free(leader, "abandon", 5)
     leader.unload("abandon")
+
+
+def test_a_loop_that_cannot_start_is_a_typed_error_that_leaves_nothing_behind(strict, tiny):
+    """The serve chord cannot be published (another holder keeps the dispatch lock): the caller
+    gets `timeout` at once, its request leaves the queue and the loop flag is freed."""
+    vocab, path = tiny
+    leader = strict.leader
+    leader.load("nostart", path, idle_s=0.2)
+    impatient = Leader(strict.broker_url, strict.group, strict.world_size, timeout=0.5)
+    leader.redis.set(dispatch_lock_key(strict.group), "someone-else", ex=30)
+    try:
+        with pytest.raises(CeleryTPError) as caught:
+            impatient.submit("nostart", {"request_id": "ns1", "prompt": make_prompt(vocab, 4), "max_tokens": 4})
+        assert caught.value.kind is ErrorKind.TIMEOUT and "not started" in caught.value.message
+        assert leader.serving_stats("nostart")["queued"] == 0
+        assert not leader.redis.exists(loop_key(strict.group, "nostart"))
+    finally:
+        leader.redis.delete(dispatch_lock_key(strict.group))
+    result = impatient.submit("nostart", {"request_id": "ns2", "prompt": make_prompt(vocab, 4), "max_tokens": 4}).result(60)
+    assert len(result.token_ids) == 4
+    leader.unload("nostart")

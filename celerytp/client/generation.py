@@ -180,6 +180,7 @@ class TokenStream:
         self._pending = pending
         self._prepared = prepared
         self._timeout = timeout
+        self._events: Iterator | None = None  # the request's events once iteration began
 
     def __iter__(self) -> Iterator[str]:
         ids, sent = [], ""
@@ -203,9 +204,8 @@ class TokenStream:
 
     def close(self) -> None:
         """Stop following the request and cancel it (its row frees within a step)."""
-        events = getattr(self, "_events", None)
-        if events is not None:
-            events.close()
+        if self._events is not None:
+            self._events.close()
         elif self.result is None:
             self._pending.queues.cancel(self.request_id)
 

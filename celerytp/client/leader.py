@@ -13,23 +13,29 @@ from functools import partial
 from typing import Any
 
 import redis
-from celery.exceptions import TimeoutError as CeleryTimeout
-from celery.result import allow_join_result
+from kombu.exceptions import KombuError
 
 from celerytp.client.control_rpc import control_call
-from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout, PublishedChord
+from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout
 from celerytp.client.generation import MODES, GenerationResult, TokenStream, check_spec, finish, prepare, run_steps
+from celerytp.client.healer import Healer
 from celerytp.client.progress import LoadProgress
 from celerytp.client.requests import LOOP_START_TTL_S, PendingRequest, RequestQueues
+from celerytp.client.waiting import ChordWaiter, no_worker
 from celerytp.core import protocol as p
 from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name, queue_name
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.keys import (
-    broken_key, comm_key, heal_lock_key, loop_key, loop_stats_key, members_key, models_key, owner_key, queue_key,
+    comm_key,
+    loop_key,
+    loop_stats_key,
+    members_key,
+    models_key,
+    owner_key,
+    queue_key,
 )
 from celerytp.core.liveness import HeartbeatTiming, RankWatch, read_owners
 from celerytp.core.model_files import default_model_path
-from celerytp.core.redis_scripts import RELEASE_IF_HOLDER, RENEW_IF_HOLDER
 from celerytp.core.registry import model_record
 from celerytp.core.safe_transport import dead_letter_key
 from celerytp.core.sampling import SamplingParams
@@ -37,44 +43,6 @@ from celerytp.core.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 GROUP_FORMING_OPS = ("ping", "init", "shutdown")  # run on the workers as they are, healed or not
-LIVENESS_CHECK_S = 0.25  # how often a waiting op looks at the ranks' heartbeats
-HEAL_LOCK_TTL_S = 10  # renewed while the heal runs; a leader that dies while healing frees it after this
-HEAL_WAIT_S = 10.0  # one wait of a heal's ping/init/unload: a message eaten by a dying rank costs this, then a retry
-
-
-def _no_worker(op: str, ranks: list[int], why: str) -> CeleryTPError:
-    return CeleryTPError.from_failures(op, [RankFailure(r, ErrorKind.RANK_LOST, why) for r in ranks])
-
-
-# Failures after which a heal (or an op that meets them) tries again once the group re-formed.
-_HEAL_AGAIN = {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.INIT_FAILED, ErrorKind.GROUP_BROKEN}
-
-
-class _LockRenewal:
-    """Keeps a Redis lock held while its holder works: extends its TTL every third of it, so the
-    lock outlives a long heal (model reloads) yet frees within one TTL of its holder's death."""
-
-    def __init__(self, client: redis.Redis, key: str, token: str, ttl_s: float):
-        self._stopped = threading.Event()
-        self._renew = client.register_script(RENEW_IF_HOLDER)
-
-        def run() -> None:
-            while not self._stopped.wait(ttl_s / 3):
-                try:
-                    if not self._renew(keys=[key], args=[token, int(ttl_s * 1000)]):
-                        return  # lost it (expired while this process stalled): nothing to renew
-                except redis.RedisError as exc:
-                    log.warning("renewing the heal lock: %s", exc)
-
-        threading.Thread(target=run, name="celerytp-heal-lock", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-
-class _RanksLost(Exception):
-    def __init__(self, lost: dict[int, str]):
-        self.lost = lost
 
 
 class Leader:
@@ -111,6 +79,8 @@ class Leader:
         self._timing = HeartbeatTiming.from_env()
         self._queues = RequestQueues(self.redis, group, self._start_loop, self._rank_watch)
         self.generate_timeout = 3600.0
+        self._waiter = ChordWaiter(self.app, self.redis, group, world_size, self._publisher, self._timing)
+        self._healer = Healer(self)
 
     # ---- foundation ops ---------------------------------------------------------------
 
@@ -295,10 +265,18 @@ class Leader:
     def _start_loop(self, model_id: str, loop_id: str) -> None:
         """Publish a `serve` chord: every rank runs the model's serving loop (nobody waits on it)."""
         fields = {"op": "serve", "model_id": model_id, "loop_id": loop_id}
-        self._publisher.publish(
-            op_task_name("serve"), lambda seq, epoch: {**fields, "seq": seq, "epoch": epoch}, expires=LOOP_START_TTL_S,
-            lock_wait=self.timeout, subscribe=False,
-        )
+        try:
+            self._publisher.publish(
+                op_task_name("serve"), lambda seq, epoch: {**fields, "seq": seq, "epoch": epoch}, expires=LOOP_START_TTL_S,
+                lock_wait=self.timeout, subscribe=False,
+            )
+        except DispatchLockTimeout as exc:
+            raise CeleryTPError(ErrorKind.TIMEOUT, f"the serving loop of {model_id!r} was not started: {exc}", op="generate") from None
+        except (redis.RedisError, OSError, KombuError) as exc:
+            raise CeleryTPError(
+                ErrorKind.INTERNAL, f"the serving loop of {model_id!r} was not started: {type(exc).__name__}: {exc}",
+                op="generate",
+            ) from None
 
     def _record(self, model_id: str) -> dict[str, Any]:
         """The model's record, from Redis; after a Redis restart, from the ranks (and kept again)."""
@@ -331,96 +309,15 @@ class Leader:
         values = self.redis.mget([owner_key(self.group, r) for r in range(self.world_size)])
         return [json.loads(v) if v else None for v in values]
 
-    # ---- healing ----------------------------------------------------------------------
-
-    def _damage(self) -> tuple[bool, list[str]]:
-        """What changed since the group formed and since each model was loaded: (the group must
-        form again, the models to load again). A rank's worker was replaced, or a model is
-        recorded as loaded by workers that no longer hold the ranks."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.get(members_key(self.group))
-        pipe.mget([owner_key(self.group, r) for r in range(self.world_size)])
-        pipe.hgetall(models_key(self.group))
-        pipe.mget([comm_key(self.group), broken_key(self.group)])
-        members, owners, models, (comm, broken) = pipe.execute()
-        now = [o.decode() if o else None for o in owners]
-        regroup = members is not None and json.loads(members) != now  # no record (Redis restarted): it stands
-        regroup = regroup or (broken is not None and broken == comm)  # a rank reported this epoch broken
-        stale = [k.decode() for k, v in models.items() if json.loads(v).get("holders", now) != now]
-        return regroup, stale
-
-    def _ensure_group(self) -> None:
-        regroup, stale = self._damage()
-        if regroup or stale:
-            self.heal()
+    # ---- healing (client/healer.py) ---------------------------------------------------
 
     def heal(self, timeout: float | None = None) -> None:
-        """Re-form the group once every rank has a live worker, and load again every model that a
-        replaced worker lost.
+        """Re-form the group once every rank has a live worker (or after a rank reported it broken),
+        and load again every model that a replaced worker lost; see Healer.heal."""
+        self._healer.heal(timeout)
 
-        Waits up to `timeout` (default: recovery_timeout) for the supervisors to restart lost
-        ranks. The models and their load settings come from the Redis registry and from what
-        the surviving ranks report. Ops queued for the broken group are dropped. One leader
-        heals at a time; the others wait for it.
-        """
-        deadline = time.monotonic() + (self.recovery_timeout if timeout is None else timeout)
-        # No live worker at all for a heartbeat's lifetime: nobody is restarting them, fail now.
-        none_until = min(deadline, time.monotonic() + self._timing.ttl_s + self._timing.missing_grace_s)
-        while not any(read_owners(self.redis, self.group, self.world_size)):
-            if time.monotonic() > none_until:
-                self._live_owners("heal")
-            time.sleep(0.1)
-        token, lock = uuid.uuid4().hex, heal_lock_key(self.group)
-        while not self.redis.set(lock, token, nx=True, ex=HEAL_LOCK_TTL_S):
-            if time.monotonic() > deadline:
-                raise CeleryTPError(ErrorKind.TIMEOUT, "another leader is still healing the group", op="heal")
-            time.sleep(0.2)
-        renewing = _LockRenewal(self.redis, lock, token, HEAL_LOCK_TTL_S)
-        try:
-            while any(self._damage()):
-                try:
-                    self._heal_once(deadline)
-                except CeleryTPError as exc:
-                    if not exc.kinds & _HEAL_AGAIN:
-                        raise
-                    if time.monotonic() > deadline:
-                        raise CeleryTPError.from_failures("heal", exc.failures) from None
-                    time.sleep(0.5)  # a rank was lost again while healing: wait for it
-        finally:
-            renewing.stop()
-            self.redis.eval(RELEASE_IF_HOLDER, 1, lock, token)
-
-    def _heal_once(self, deadline: float) -> None:
-        while missing := [r for r, o in enumerate(read_owners(self.redis, self.group, self.world_size)) if o is None]:
-            if time.monotonic() > deadline:
-                raise _no_worker("heal", missing, "no live worker came back for this rank")
-            time.sleep(0.2)
-        regroup, stale = self._damage()
-        pongs = self.ping(HEAL_WAIT_S)
-        records = {model_id: record for pong in reversed(pongs) for model_id, record in pong.models.items()}
-        records.update((k.decode(), json.loads(v)) for k, v in self.redis.hgetall(models_key(self.group)).items())
-        if regroup:
-            with self.app.connection_for_write() as conn:  # ops published to the broken group
-                for rank in range(self.world_size):
-                    conn.default_channel.queue_purge(queue_name(self.group, rank))
-            self.init(timeout_s=HEAL_WAIT_S * 3)
-        for model_id, record in records.items():
-            if not regroup and model_id not in stale:
-                continue
-            self.redis.delete(loop_key(self.group, model_id))
-            if any(model_id in pong.models for pong in pongs):
-                try:
-                    self._call("unload", {"model_id": model_id}, HEAL_WAIT_S)
-                except CeleryTPError as exc:
-                    if exc.kinds != {ErrorKind.MODEL_NOT_LOADED}:
-                        raise
-            try:
-                self._load(model_id, record["load"])
-            except CeleryTPError as exc:
-                if exc.kinds & _HEAL_AGAIN:
-                    raise  # the group broke again: heal again
-                log.error("model %s could not be loaded again after a rank was replaced, so it is unloaded: %s", model_id, exc)
-                self.redis.hdel(models_key(self.group), model_id)
+    def _ensure_group(self) -> None:
+        self._healer.ensure()
 
     # ---- dispatch ---------------------------------------------------------------------
 
@@ -456,7 +353,7 @@ class Leader:
                     )
                 except DispatchLockTimeout as exc:
                     raise CeleryTPError(ErrorKind.TIMEOUT, str(exc), op=op) from None
-            combined = self._wait(op, sent, timeout, on_wait, owners)
+            combined = self._waiter.wait(op, sent, timeout, on_wait, owners)
             failures = [
                 RankFailure(r.get("rank"), ErrorKind(r["kind"]), r.get("message", ""))
                 for r in combined["replies"]
@@ -481,66 +378,9 @@ class Leader:
             if not missing:
                 return owners
             if time.monotonic() > deadline:
-                raise _no_worker(op, missing, "no live worker holds this rank")
+                raise no_worker(op, missing, "no live worker holds this rank")
             time.sleep(0.05)
 
     def _rank_watch(self) -> RankWatch:
         """A watch over the ranks' workers as they are now (generation requests use it while they wait)."""
         return RankWatch(self.redis, self.group, read_owners(self.redis, self.group, self.world_size), self._timing)
-
-    def _wait(
-        self, op: str, sent: PublishedChord, timeout: float, on_wait: Callable[[], None] | None, owners: list
-    ) -> dict:
-        watch = RankWatch(self.redis, self.group, owners, self._timing)
-        checked = [time.monotonic()]
-
-        def on_interval() -> None:
-            if on_wait is not None:
-                on_wait()
-            if time.monotonic() - checked[0] >= LIVENESS_CHECK_S:
-                checked[0] = time.monotonic()
-                lost = watch.lost()
-                if lost:
-                    finished = self._publisher.finished_parts(sent)
-                    lost = {r: why for r, why in lost.items() if r not in finished}
-                if lost:
-                    raise _RanksLost(lost)
-
-        try:
-            # Allowed inside a task (the celerytp.generate front door): the chord runs on the rank
-            # workers, never on the pool that waits for it.
-            with allow_join_result():
-                return self.app.AsyncResult(sent.body_id).get(timeout=timeout, interval=0.005, on_interval=on_interval)
-        except _RanksLost as exc:
-            failures = [RankFailure(r, ErrorKind.RANK_LOST, why) for r, why in sorted(exc.lost.items())]
-            raise CeleryTPError.from_failures(op, failures) from None
-        except CeleryTimeout:
-            raise CeleryTPError.from_failures(op, self._unfinished_ranks(sent, timeout)) from None
-        except Exception as exc:  # a header task raised or its worker died
-            raise CeleryTPError.from_failures(op, self._failed_ranks(sent, exc)) from None
-        finally:
-            self.redis.delete(self.app.backend.get_key_for_task(sent.body_id))
-
-    def _unfinished_ranks(self, sent: PublishedChord, timeout: float) -> list[RankFailure]:
-        """Name the ranks that did not answer (and whether their worker lives) and those that failed."""
-        finished = self._publisher.finished_parts(sent)
-        alive = self.health()
-        failures = []
-        for rank in range(self.world_size):
-            if rank in finished:
-                _, reply = finished[rank]
-                if isinstance(reply, dict) and reply.get("type") == "error":
-                    failures.append(RankFailure(rank, ErrorKind(reply["kind"]), reply.get("message", "")))
-            elif alive[rank] is None:
-                failures.append(RankFailure(rank, ErrorKind.RANK_LOST, "no live worker holds this rank"))
-            else:
-                failures.append(RankFailure(rank, ErrorKind.TIMEOUT, f"no reply within {timeout:.1f}s (worker alive: busy or stuck)"))
-        return failures or [RankFailure(None, ErrorKind.TIMEOUT, f"no combined reply within {timeout:.1f}s")]
-
-    def _failed_ranks(self, sent: PublishedChord, exc: Exception) -> list[RankFailure]:
-        failures = [
-            RankFailure(rank, ErrorKind.RANK_LOST, f"task failed: {result}")
-            for rank, (state, result) in sorted(self._publisher.finished_parts(sent).items())
-            if state != "SUCCESS"
-        ]
-        return failures or [RankFailure(None, ErrorKind.INTERNAL, f"chord failed: {exc!r}")]

@@ -21,7 +21,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.keys import cancel_key, loop_key, queue_key, stream_key
 from celerytp.core.liveness import RankWatch
 from celerytp.core.protocol import RowResult
-from celerytp.core.redis_scripts import RESTART_IF_STRANDED, SUBMIT
+from celerytp.core.redis_scripts import RELEASE_IF_HOLDER, RESTART_IF_STRANDED, SUBMIT
 from celerytp.core.stream_record import StreamRecord
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class RequestQueues:
                 ErrorKind.OVERLOADED, f"model {model_id!r} has {max_queue} requests queued already; try again later"
             )
         if outcome == 1:
-            self._start_loop(model_id, loop_id)
+            self._start(model_id, loop_id, item)
         self._followed[spec["request_id"]] = (model_id, item)
         return PendingRequest(self, model_id, spec["request_id"], item, watch)
 
@@ -89,8 +89,21 @@ class RequestQueues:
         loop_id = uuid.uuid4().hex
         outcome = int(self._restart(keys=keys, args=[item, loop_id, LOOP_START_TTL_S]))
         if outcome == 1:
-            self._start_loop(model_id, loop_id)
+            self._start(model_id, loop_id, item)
         return outcome >= 0
+
+    def _start(self, model_id: str, loop_id: str, item: str) -> None:
+        """Start the model's loop for the request `item`. When that fails (a typed error), nothing is
+        left behind: the request leaves the queue and the loop flag is freed for the next submitter,
+        instead of stalling the queue until the flag's TTL."""
+        try:
+            self._start_loop(model_id, loop_id)
+        except CeleryTPError:
+            pipe = self._redis.pipeline()
+            pipe.lrem(queue_key(self._group, model_id), 1, item)
+            pipe.eval(RELEASE_IF_HOLDER, 1, loop_key(self._group, model_id), loop_id)
+            pipe.execute()
+            raise
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request: a queued one never runs, a running one stops within a step.

@@ -15,8 +15,8 @@ into a collective that a peer will not reach.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery, Task
@@ -71,7 +71,7 @@ def cancel_when_abandoned(service: Service, request_id: str, task_id: str, expir
     the task returns with finish_reason "cancelled"."""
     deadline = _as_datetime(expires)
     while not done.wait(ABANDON_POLL_S):
-        if task_id in worker_state.revoked or (deadline is not None and datetime.now(timezone.utc) > deadline):
+        if task_id in worker_state.revoked or (deadline is not None and datetime.now(UTC) > deadline):
             service.leader.cancel(request_id)
             return
 
@@ -80,7 +80,7 @@ def _as_datetime(value: Any) -> datetime | None:
     if isinstance(value, str):
         value = datetime.fromisoformat(value)
     if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
     return None
 
 

@@ -35,8 +35,8 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
               file=sys.stderr)
         return exits.REFUSED
     # Imports torch and the models: only rank workers pay for them.
-    from celerytp.worker.state import RankState, rss_bytes
     from celerytp.worker.control_thread import ControlThread
+    from celerytp.worker.state import RankState, rss_bytes
     from celerytp.worker.tasks import register_tasks
     from celerytp.worker.watchdog import PeerWatchdog
 

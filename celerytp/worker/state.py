@@ -48,6 +48,7 @@ def resolve_device(spec: str, rank: int) -> torch.device:
 
 BROKEN_TTL_S = 3600  # a broken-group report outlives any heal that could act on it
 
+
 class RankState:
     """Everything one rank keeps between tasks: device, process group, loaded models."""
 
