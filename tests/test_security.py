@@ -43,7 +43,7 @@ import json, sys
 from celerytp import Leader
 from celerytp.core.errors import CeleryTPError
 try:
-    Leader(sys.argv[1], "signed", 1, timeout=4).ping()
+    Leader(sys.argv[1], "signed", 1, timeout=4).sanity_check()  # an op (ping only reads, unsigned)
     print(json.dumps("ok"))
 except CeleryTPError as exc:
     print(json.dumps(str(exc.kind)))
