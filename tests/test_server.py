@@ -192,9 +192,21 @@ def _rows_free_within(group, seconds: float) -> None:
 def test_a_non_streaming_client_that_gives_up_cancels_its_request(server, group):
     """The request counter is plain ASGI: the server sees the disconnect and cancels."""
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
+    cancelled = f"celerytp_finished_requests_total[('model', '{MODEL}'), ('reason', 'cancelled')]"
+
+    def count() -> float:
+        text = httpx.get(f"{server}/metrics").text
+        return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
+                for s in f.samples}.get(cancelled, 0)
+
+    before = count()
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2.0)
     _rows_free_within(group, 5)
+    deadline = time.monotonic() + 5
+    while count() != before + 1:  # counted once its (cancelled) result came back
+        assert time.monotonic() < deadline, "the cancelled request was not counted"
+        time.sleep(0.1)
 
 
 def test_a_revoked_generate_task_cancels_its_request(group):

@@ -40,6 +40,8 @@ class Metrics:
                                 registry=r)
         self.prompt_tokens = Counter("celerytp_prompt_tokens", "prompt tokens of served requests", ["model"], registry=r)
         self.generated_tokens = Counter("celerytp_generated_tokens", "tokens generated", ["model"], registry=r)
+        self.finished = Counter("celerytp_finished_requests", "served requests by how they ended (stop, length, cancelled)",
+                                ["model", "reason"], registry=r)
         self.ttft = Histogram("celerytp_time_to_first_token_seconds", "request start to its first token", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("celerytp_inter_token_seconds", "mean time between tokens of a request",
@@ -50,7 +52,10 @@ class Metrics:
     def watch(self, collector: RankState) -> None:
         self.registry.register(collector)
 
-    def served(self, model: str, prompt_tokens: int, completion_tokens: int, ttft_s: float, decode_s: float) -> None:
+    def served(
+        self, model: str, prompt_tokens: int, completion_tokens: int, ttft_s: float, decode_s: float, reason: str
+    ) -> None:
+        self.finished.labels(model, reason).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generated_tokens.labels(model).inc(completion_tokens)
         if completion_tokens:

@@ -21,9 +21,11 @@ def held_by_ranks(leader: Leader, timeout: float = 1.0) -> dict[int, set[str]]:
     names = [f"celerytp.{leader.group}.rank{rank}@{beat['host']}" for rank, beat in enumerate(beats) if beat]
     if not names:
         return {}
-    inspect = leader.app.control.inspect(destination=names, timeout=timeout, limit=len(names))
-    replies = inspect._request("celerytp_status") or {}
-    return {r["rank"]: set(r["models"]) for r in replies.values() if r.get("group") == leader.group and "rank" in r}
+    answers = leader.app.control.broadcast(
+        "celerytp_status", destination=names, reply=True, timeout=timeout, limit=len(names)
+    ) or []  # public remote control: a list of {worker name: reply}
+    replies = [reply for answer in answers for reply in answer.values() if isinstance(reply, dict)]
+    return {r["rank"]: set(r["models"]) for r in replies if r.get("group") == leader.group and "rank" in r}
 
 
 class Service:
@@ -89,7 +91,10 @@ class Service:
 
     def count(self, model_id: str, result: GenerationResult) -> None:
         if self.metrics is not None:
-            self.metrics.served(model_id, result.prompt_tokens, result.completion_tokens, result.ttft_s, result.decode_s)
+            self.metrics.served(
+                model_id, result.prompt_tokens, result.completion_tokens, result.ttft_s, result.decode_s,
+                result.finish_reason,
+            )
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {model: self.leader.serving_stats(model) for model in self.models()}

@@ -167,7 +167,9 @@ class RankState:
         self.destroy_group()
         # torch names the group by a process-wide counter that a failed init advances without
         # making a group: a rank that failed one would wait under other store keys than a fresh
-        # peer. Only the default group exists here, so every rank starts the count at 0.
+        # peer. Every rank starts the count at 0 (the model and control groups then take 0 and 1).
+        # A private attribute with no public reset: a pinned boundary (torch==2.13.0 in setup,
+        # tests/test_boundaries.py checks it is there).
         dist.distributed_c10d._world.group_count = 0
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         store = RedisStore(self.redis, rendezvous_prefix(self.config.group, comm_id), timedelta(seconds=timeout_s))
