@@ -13,6 +13,9 @@ Rows (SmolLM2 float32 at TP=2 on LocalCluster; default heartbeat: TTL 4 s, refre
   How many loop steps until its row is free, and the latency of a short request right after,
   against the same request on the idle group.
 - A ping from the loading Leader and from a second Leader while a model loads, against idle.
+- What rank 0 does alone fails: its Redis refuses a write in the serving loop (the stats key
+  made another type), and the model's tokenizer file is corrupted in place after the load. What
+  the client got and how soon, and whether the next request works once the cause is gone.
 """
 
 from __future__ import annotations
@@ -20,16 +23,21 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import signal
 import statistics
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
 from celerytp import Leader
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError
+from celerytp.core.keys import loop_stats_key
+from celerytp.core.model_files import default_model_path
 
 SHORT = dict(prompt="The capital of France is", max_tokens=8, temperature=0)
 LONG = dict(prompt="Once upon a time", max_tokens=2000, ignore_eos=True)
@@ -118,9 +126,10 @@ def latency(leader: Leader) -> float:
 
 
 def steps_until_free(leader: Leader, abandon) -> tuple[int, float]:
-    """Loop steps from abandoning a request until no row runs, and the next short request's latency."""
-    before = leader.serving_stats("smol")["steps"]
+    """Loop steps from the moment the caller gave up until no row runs, and the next short
+    request's latency."""
     abandon()
+    before = leader.serving_stats("smol")["steps"]
     while leader.serving_stats("smol").get("running_rows", 0):
         time.sleep(0.002)
     steps = leader.serving_stats("smol")["steps"] - before
@@ -174,6 +183,37 @@ def ping_during_load(cluster: LocalCluster) -> str:
             f"{max(second) * 1000:.0f} ms ({len(same)} pings each; idle {idle * 1000:.0f} ms)")
 
 
+def rank0_alone(cluster: LocalCluster, tmp: Path) -> list[tuple[str, str]]:
+    leader = cluster.leader
+    rows = []
+    key = loop_stats_key(cluster.group, "smol")
+    leader.redis.set(key, "not a hash")
+    started = time.monotonic()
+    try:
+        leader.generate("smol", **SHORT)
+        saw = "no error"
+    except CeleryTPError as exc:
+        saw = f"{time.monotonic() - started:.2f} s: `{exc.kind}`"
+    leader.redis.delete(key)
+    ok = _timed(lambda: leader.generate("smol", **SHORT))
+    rows.append(("rank 0's Redis refuses a write in the serving loop",
+                 f"client: {saw}; every rank free; once the key is fixed the next request took {ok * 1000:.0f} ms"))
+    model = tmp / "smol-copy.gguf"
+    shutil.copy(default_model_path(), model)
+    leader.load("copy", str(model), idle_s=0.5)
+    with open(model, "r+b") as f:  # the tokenizer lives in the GGUF's metadata, near its start
+        f.seek(64)
+        f.write(b"\xff" * 4096)
+    try:
+        result = leader.generate("copy", **SHORT)
+        saw = f"answered ({result.finish_reason}): rank 0 read and checked the tokenizer at load"
+    except CeleryTPError as exc:
+        saw = f"`{exc.kind}`: {exc.message[:80]}"
+    leader.unload("copy")
+    rows.append(("a loaded model's tokenizer file corrupted in place", f"client: {saw}"))
+    return rows
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -187,12 +227,14 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[tuple[str, str, str]] = []
 
-    with LocalCluster(world_size=2, group="faults") as cluster:
+    with tempfile.TemporaryDirectory() as roots, LocalCluster(world_size=2, group="faults", model_roots=[roots]) as cluster:
         cluster.leader.load("smol", None, quant="f32", idle_s=0.5)
         expected = cluster.leader.generate("smol", **SHORT).token_ids
         rows.append(("ping while a model loads", ping_during_load(cluster), "nothing"))
         for name, outcome in abandoned(cluster):
             rows.append((f"abandoned: {name}", outcome, "nothing"))
+        for name, outcome in rank0_alone(cluster, Path(roots)):
+                rows.append((name, outcome, "the request it hit"))
         r = sigstop(cluster, expected, args.stop_s[0])
         rows.append((f"SIGSTOP rank 1 for {args.stop_s[0]:.0f} s mid-generation (supervisor kills stuck workers)",
                      f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT", "the request in flight"))

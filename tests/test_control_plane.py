@@ -19,6 +19,7 @@ import torch.distributed as dist
 from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 
 from celerytp import Leader
+from celerytp.client.healer import _LockRenewal
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import broken_key, comm_key, dispatch_lock_key, loop_key, loop_stats_key
@@ -219,3 +220,15 @@ def test_a_loop_that_cannot_start_is_a_typed_error_that_leaves_nothing_behind(st
     result = impatient.submit("nostart", {"request_id": "ns2", "prompt": make_prompt(vocab, 4), "max_tokens": 4}).result(60)
     assert len(result.token_ids) == 4
     leader.unload("nostart")
+
+
+def test_the_heal_lock_outlives_its_ttl_while_held_and_frees_soon_after(strict):
+    """Renewed every third of its TTL while the heal runs; after the holder stops, gone within a TTL."""
+    client = strict.leader.redis
+    client.set("celerytp:test:lock", "me", px=600)
+    renewing = _LockRenewal(client, "celerytp:test:lock", "me", 0.6)
+    time.sleep(1.5)  # 2.5 TTLs
+    assert client.get("celerytp:test:lock") == b"me"
+    renewing.stop()
+    time.sleep(0.9)
+    assert client.get("celerytp:test:lock") is None
