@@ -8,12 +8,14 @@ raised as a builtin RuntimeError so that a producer without celerytp installed c
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
 from celery import Celery, Task
 from celery.worker import state as worker_state
 from kombu import Queue
@@ -24,6 +26,8 @@ from celerytp.core.errors import CeleryTPError
 from celerytp.core.secrets import mask_secrets
 from celerytp.server.schemas import TaskRequest, parse
 from celerytp.server.service import Service
+
+log = logging.getLogger(__name__)
 
 GENERATE_TASK = "celerytp.generate"
 ABANDON_POLL_S = 0.2  # how often a running task looks for its own revocation or expiry
@@ -72,7 +76,10 @@ def cancel_when_abandoned(service: Service, request_id: str, task_id: str, expir
     deadline = _as_datetime(expires)
     while not done.wait(ABANDON_POLL_S):
         if task_id in worker_state.revoked or (deadline is not None and datetime.now(UTC) > deadline):
-            service.leader.cancel(request_id)
+            try:
+                service.leader.cancel(request_id)
+            except redis.RedisError as exc:  # the request's own wait reports Redis failing
+                log.warning("could not cancel the request of revoked task %s: %s", task_id, exc)
             return
 
 
