@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 from prometheus_client.parser import text_string_to_metric_families
 
 from celerytp.client.leader import Leader
@@ -168,57 +169,79 @@ def test_errors_in_openai_shape(client, server):
     assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body"
 
 
+CANCELLED = f"celerytp_finished_requests_total[('model', '{MODEL}'), ('reason', 'cancelled')]"
+
+
+def cancelled_count(server: str) -> float:
+    """The server's count of requests that ended cancelled."""
+    text = httpx.get(f"{server}/metrics").text
+    return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}.get(CANCELLED, 0)
+
+
+def _counted_once_more(server: str, before: float) -> None:
+    deadline = time.monotonic() + 5
+    while cancelled_count(server) != before + 1:  # counted once its (cancelled) result came back
+        assert time.monotonic() < deadline, "the cancelled request was not counted"
+        time.sleep(0.1)
+
+
+def _rows_free_within(group, seconds: float) -> float:
+    """Seconds until the model's loop runs no row (fails after `seconds`)."""
+    started = time.monotonic()
+    while group.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() - started < seconds, group.leader.serving_stats(MODEL)
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _running(group) -> None:
+    deadline = time.monotonic() + 30
+    while not group.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+
+
 def test_disconnect_cancels_generation(server, group):
-    """A stream read for a few tokens, then dropped: the ranks stop long before max_tokens."""
+    """A stream read for a few tokens, then dropped: the ranks stop long before max_tokens, and
+    the request is counted as cancelled."""
+    before = cancelled_count(server)
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n >= 8:
                 break
-    deadline = time.monotonic() + 20
-    while group.leader.serving_stats(MODEL).get("running_rows", 0) or group.leader.serving_stats(MODEL)["loop_running"]:
-        assert time.monotonic() < deadline, group.leader.serving_stats(MODEL)
-        time.sleep(0.1)
+    _rows_free_within(group, 2)
     assert group.leader.serving_stats(MODEL)["steps"] < 500
-
-
-def _rows_free_within(group, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while group.leader.serving_stats(MODEL).get("running_rows", 0):
-        assert time.monotonic() < deadline, group.leader.serving_stats(MODEL)
-        time.sleep(0.05)
+    _counted_once_more(server, before)
 
 
 def test_a_non_streaming_client_that_gives_up_cancels_its_request(server, group):
-    """The request counter is plain ASGI: the server sees the disconnect and cancels."""
+    """The request counter is plain ASGI, so the server sees the disconnect: the row frees
+    within about a second and the request is counted as cancelled."""
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
-    cancelled = f"celerytp_finished_requests_total[('model', '{MODEL}'), ('reason', 'cancelled')]"
-
-    def count() -> float:
-        text = httpx.get(f"{server}/metrics").text
-        return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
-                for s in f.samples}.get(cancelled, 0)
-
-    before = count()
+    before = cancelled_count(server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2.0)
-    _rows_free_within(group, 5)
-    deadline = time.monotonic() + 5
-    while count() != before + 1:  # counted once its (cancelled) result came back
-        assert time.monotonic() < deadline, "the cancelled request was not counted"
-        time.sleep(0.1)
+    _rows_free_within(group, 2)
+    _counted_once_more(server, before)
 
 
-def test_a_revoked_generate_task_cancels_its_request(group):
+@pytest.mark.parametrize("how", ["revoke", "terminate", "expires"])
+def test_a_revoked_or_expired_generate_task_cancels_its_request(group, how):
+    """The front door's threads pool cannot kill a running task (terminate only logs that); the
+    task sees its revocation or expiry itself, cancels its request and ends REVOKED."""
     app = Celery("plain-producer", broker=group.broker_url, backend=group.broker_url)
     kwargs = {"prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
-    sent = app.send_task("celerytp.generate", kwargs=kwargs, queue="celerytp.srv.requests")
-    deadline = time.monotonic() + 30
-    while not group.leader.serving_stats(MODEL).get("running_rows", 0):
-        assert time.monotonic() < deadline, "the task's request never started"
-        time.sleep(0.05)
-    app.control.revoke(sent.id)  # no terminate: the front door's threads pool cannot kill a task
-    _rows_free_within(group, 5)
+    expires = {"expires": 3.0} if how == "expires" else {}
+    sent = app.send_task("celerytp.generate", kwargs=kwargs, queue="celerytp.srv.requests", **expires)
+    _running(group)
+    if how != "expires":
+        app.control.revoke(sent.id, terminate=how == "terminate")
+    _rows_free_within(group, 5 if how == "expires" else 2)
+    with pytest.raises(TaskRevokedError, match="expired" if how == "expires" else "revoked"):
+        sent.get(timeout=10)
+    assert sent.state == "REVOKED"
 
 
 def test_plain_celery_app_sends_generate(group):

@@ -4,6 +4,8 @@ It takes the HTTP API's fields as kwargs (`model`, `prompt` or `messages`, max_t
 temperature, top_p, seed, stop, ...), validated the same way, and returns a JSON dict. A failure
 is a task failure whose message starts with the error kind (`bad_request: field 'x': ...`); it is
 raised as a builtin RuntimeError so that a producer without celerytp installed can rebuild it.
+A task revoked or expired while it runs cancels its request and ends REVOKED, as Celery ends a
+task revoked before it starts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import Ignore
 from celery.worker import state as worker_state
 from kombu import Queue
 
@@ -56,30 +59,41 @@ def register_generate(app: Celery, service: Callable[[], Service]) -> None:
 
     @app.task(name=GENERATE_TASK, bind=True)
     def generate(task: Task, **kwargs: Any) -> dict[str, Any]:
-        svc, request_id, done = service(), uuid.uuid4().hex, threading.Event()
+        svc, request_id, done, why = service(), uuid.uuid4().hex, threading.Event(), []
         watch = threading.Thread(
-            target=cancel_when_abandoned, args=(svc, request_id, task.request.id, task.request.expires, done), daemon=True
+            target=cancel_when_abandoned, args=(svc, request_id, task.request.id, task.request.expires, done, why),
+            daemon=True,
         )
         watch.start()
         try:
-            return run_request(svc, kwargs, request_id)
+            reply = run_request(svc, kwargs, request_id)
         except CeleryTPError as exc:
             raise RuntimeError(f"{exc.kind}: {mask_secrets(exc.message)}") from None
         finally:
             done.set()
+        if why and reply["finish_reason"] == "cancelled":
+            # Celery's own ending for a revoked task: state REVOKED, `.get()` raises TaskRevokedError.
+            # Ignore keeps the worker from writing SUCCESS over it.
+            task.backend.mark_as_revoked(task.request.id, why[0], request=task.request)
+            raise Ignore()
+        return reply
 
 
-def cancel_when_abandoned(service: Service, request_id: str, task_id: str, expires: Any, done: threading.Event) -> None:
+def cancel_when_abandoned(
+    service: Service, request_id: str, task_id: str, expires: Any, done: threading.Event, why: list[str]
+) -> None:
     """Cancel the task's request when the task is revoked (with or without terminate: the threads
-    pool cannot kill a running task) or expires while it runs; its row frees within a step and
-    the task returns with finish_reason "cancelled"."""
+    pool cannot kill a running task, but either way the id joins the worker's revoked set) or
+    expires while it runs; its row frees within a step. `why` gets "revoked" or "expired"."""
     deadline = _as_datetime(expires)
     while not done.wait(ABANDON_POLL_S):
-        if task_id in worker_state.revoked or (deadline is not None and datetime.now(UTC) > deadline):
+        revoked = task_id in worker_state.revoked
+        if revoked or (deadline is not None and datetime.now(UTC) > deadline):
+            why.append("revoked" if revoked else "expired")
             try:
                 service.leader.cancel(request_id)
             except redis.RedisError as exc:  # the request's own wait reports Redis failing
-                log.warning("could not cancel the request of revoked task %s: %s", task_id, exc)
+                log.warning("could not cancel the request of %s task %s: %s", why[0], task_id, exc)
             return
 
 

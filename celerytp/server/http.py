@@ -29,6 +29,7 @@ from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFiel
 from celerytp.server.service import Service
 
 DISCONNECT_POLL_S = 0.1
+ABANDONED_END_S = 10.0  # how long an abandoned stream's cancelled end is awaited, to count it
 _END = object()
 
 
@@ -193,7 +194,8 @@ def pump(stream: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> 
 async def sse(service: Service, request: Request, stream: Any, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events of a TokenStream, in OpenAI's chunk format; cancels on disconnect."""
     queue: asyncio.Queue = asyncio.Queue()
-    threading.Thread(target=pump, args=(stream, asyncio.get_running_loop(), queue), daemon=True).start()
+    pumping = threading.Thread(target=pump, args=(stream, asyncio.get_running_loop(), queue), daemon=True)
+    pumping.start()
     finished, checked = False, time.monotonic()
     try:
         if shape.chat:
@@ -233,7 +235,16 @@ async def sse(service: Service, request: Request, stream: Any, shape: Shape, inc
         yield "data: [DONE]\n\n"
     finally:
         if not finished:  # the client went away (or the server is stopping): free the row
-            await asyncio.shield(run_in_threadpool(service.leader.cancel, shape.request_id))
+            await asyncio.shield(run_in_threadpool(abandon, service, stream, pumping, shape.model_id))
+
+
+def abandon(service: Service, stream: Any, pumping: threading.Thread, model_id: str) -> None:
+    """Cancel a stream nobody reads any more, then count its end (cancelled, or whatever it
+    reached first) once the pump has read it."""
+    service.leader.cancel(stream.request_id)
+    pumping.join(ABANDONED_END_S)
+    if stream.result is not None:
+        service.count(model_id, stream.result)
 
 
 def event(payload: dict) -> str:
