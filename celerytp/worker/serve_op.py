@@ -31,8 +31,8 @@ def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
         source = RedisRequestSource(state.redis, state.config.group, request.model_id, request.loop_id)
         try:
             source.start()
-        except redis.RedisError as exc:
-            failure = CeleryTPError(ErrorKind.INTERNAL, f"rank 0 could not start the serving loop: Redis: {exc}")
+        except Exception as exc:  # whatever rank 0 meets alone is agreed on, never left for a peer to wait out
+            failure = CeleryTPError(ErrorKind.INTERNAL, f"rank 0 could not start the serving loop: {type(exc).__name__}: {exc}")
     state.collective(lambda: state.control.agree(failure))
     decode = entry.tokenizer.decode if entry.tokenizer is not None else None  # read and checked at load
     loop = ServingLoop(entry.model, state.control, entry.row_tokens, entry.prefill_budget, entry.idle_s, source, decode)
