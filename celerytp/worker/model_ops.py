@@ -85,11 +85,11 @@ def serving_tokenizer(path: Path) -> Tokenizer | None:
     """The tokenizer rank 0 serves a model with (stop strings), checked at load: a corrupt one, or
     a chat template that does not render, fails the load. None for a checkpoint that ships no
     tokenizer at all: it is served by token ids (requests with stop strings are refused)."""
+    if not _has_tokenizer_files(path):
+        return None  # nothing to read (no heavy transformers fallback tried for a checkpoint without one)
     try:
         tokenizer = load_tokenizer(path)
     except CeleryTPError as exc:
-        if not _has_tokenizer_files(path):
-            return None
         raise CeleryTPError(ErrorKind.LOAD_FAILED, f"tokenizer: {exc.message}") from None
     if tokenizer.chat_template:
         try:
