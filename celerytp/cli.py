@@ -248,7 +248,7 @@ def _models(args: argparse.Namespace) -> int:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "unload: name the model id")
         known = args.model in leader.models()
         try:
-            leader.unload(args.model)
+            leader.unload(args.model, everywhere=args.all_groups)
         except CeleryTPError as exc:
             if not (known and exc.kinds == {ErrorKind.MODEL_NOT_LOADED}):
                 raise
@@ -346,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--quant", default=None)
     models.add_argument("--max-batch", type=positive_int, default=16)
     models.add_argument("--max-context", type=positive_int, default=None)
+    models.add_argument("--all-groups", action="store_true",
+                        help="unload: from every group serving the model (default: --group only)")
     add_leader_args(models, broker_required=True)
     models.set_defaults(func=_models)
     return parser

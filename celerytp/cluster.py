@@ -1,4 +1,8 @@
-"""LocalCluster: a private Redis and N rank worker processes on this machine, torn down on exit."""
+"""LocalCluster: a private Redis and N rank worker processes on this machine, torn down on exit.
+
+The private Redis keeps its data in an append-only file (fsync every second) in the cluster's
+state directory, so a Redis restart loses no queued request and no registry entry. Another
+LocalCluster can join it with `broker_url` (a second group: a replica of the same models)."""
 
 from __future__ import annotations
 
@@ -83,6 +87,9 @@ class LocalCluster:
         env: extra environment for the worker processes.
         supervise: restart a rank worker that exits with a failure (any code but 0), as
             systemd's Restart=on-failure does.
+        broker_url: join this Redis (another LocalCluster's) instead of starting a private one.
+        state_dir: where the private Redis keeps its append-only file (default: a temporary
+            directory removed with the cluster).
         kill_stuck: the supervisor also SIGKILLs (and restarts) a worker whose heartbeat lapsed
             while its process lives (e.g. SIGSTOPped); off, it restarts on exit only, as systemd
             and compose do.
@@ -100,6 +107,8 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         supervise: bool = True,
         kill_stuck: bool = True,
+        broker_url: str | None = None,
+        state_dir: str | os.PathLike | None = None,
     ):
         self.world_size = world_size
         self.group = group
@@ -115,9 +124,11 @@ class LocalCluster:
         self._workers_lock = threading.RLock()  # the supervisor and restart_worker replace workers
         self._stopping = threading.Event()
         self.workdir = Path(tempfile.mkdtemp(prefix="celerytp-"))
+        self.state_dir = Path(state_dir) if state_dir is not None else self.workdir / "redis"
         self.redis_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
-        self.broker_url = ""  # holds the private Redis's password: do not print it
+        self._joined = broker_url is not None  # another cluster's Redis: not ours to start or stop
+        self.broker_url = broker_url or ""  # holds the private Redis's password: do not print it
         # Its own password unless the operator names one (to reach the private Redis from outside).
         self._password = os.environ.get("CELERYTP_LOCAL_REDIS_PASSWORD") or secrets.token_urlsafe(24)
         self.leader: Leader | None = None
@@ -136,7 +147,8 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> None:
-        self._start_redis()
+        if not self._joined:
+            self._start_redis()
         for rank in range(self.world_size):
             self.workers.append(self.spawn_worker(rank))
         self.leader = Leader(self.broker_url, self.group, self.world_size)
@@ -152,7 +164,7 @@ class LocalCluster:
             workers = list(self.workers)
         for proc in workers:
             _stop(proc, grace=10)
-        if self.redis_proc is not None:
+        if self.redis_proc is not None and not self._joined:
             _stop(self.redis_proc, grace=5)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -164,17 +176,26 @@ class LocalCluster:
 
     # ---- parts ------------------------------------------------------------------------
 
-    def restart_redis(self) -> None:
-        """Stop the private Redis and start a fresh one on the same port (its data is gone, as
-        after a restart without persistence)."""
-        _stop(self.redis_proc, grace=5)
+    def restart_redis(self, wipe: bool = False, kill: bool = False, down_s: float = 0.0) -> None:
+        """Stop the private Redis (SIGKILL if `kill`, else a clean stop), stay down `down_s`, and
+        start it again on the same port from its append-only file; `wipe`: with no data (as a
+        Redis without persistence, or a new one)."""
+        if kill:
+            os.killpg(self.redis_proc.pid, signal.SIGKILL)
+            self.redis_proc.wait()
+        else:
+            _stop(self.redis_proc, grace=5)
+        if wipe:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        time.sleep(down_s)
         self._start_redis(redis.Redis.from_url(self.broker_url).connection_pool.connection_kwargs["port"])
 
     def _start_redis(self, port: int | None = None) -> None:
         port = port or _free_port()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.state_dir),
             "--requirepass", self._password,  # other local users cannot drive the ranks
         ]
         self.redis_proc = subprocess.Popen(
@@ -234,7 +255,7 @@ class LocalCluster:
         while not self._stopping.wait(SUPERVISE_S):
             try:
                 owners = self.leader.health()
-            except redis.RedisError:
+            except CeleryTPError:  # Redis unreachable past the retry window: look again later
                 continue
             now = time.monotonic()
             with self._workers_lock:

@@ -125,11 +125,11 @@ def test_bad_requests_are_refused_on_the_leader_and_on_rank_0(leader):
     from celerytp.client.requests import Done
     from celerytp.core.keys import queue_key, stream_key
 
-    queue = queue_key(leader.group, "smol")
+    queue = queue_key("smol")
     leader.redis.rpush(queue, json.dumps(dict(spec, request_id="direct1", prompt=[10**6])), b"\xff not json")
     good = leader.submit("smol", dict(spec, request_id="direct2"))
     assert isinstance(list(good.events(60))[-1], Done)
-    reply = leader.redis.xread({stream_key(leader.group, "direct1"): "0-0"}, block=5000)
+    reply = leader.redis.xread({stream_key("direct1"): "0-0"}, block=5000)
     error = json.loads(reply[0][1][0][1][b"error"])
     assert error["kind"] == "bad_request" and "vocabulary" in error["message"]
     assert leader.generate("smol", prompt=PROMPT, max_tokens=3).completion_tokens == 3

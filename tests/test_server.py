@@ -21,6 +21,8 @@ from celery.exceptions import TaskRevokedError
 from prometheus_client.parser import text_string_to_metric_families
 
 from celerytp.client.leader import Leader
+from celerytp.client.registry import keep_replica
+from celerytp.core.liveness import read_owners
 
 KEY = "test-key-123"
 MODEL = "smol"
@@ -292,8 +294,8 @@ def test_two_models_and_admin_endpoints(client, server, group):
 
 def test_a_record_no_rank_holds_is_not_listed_and_can_be_cleared(client, group):
     """As after the rank workers restarted: Redis lists a model the ranks never loaded."""
-    key = f"celerytp:{group.group}:models"
-    group.leader.redis.hset(key, "ghost", group.leader.redis.hget(key, MODEL))
+    record = group.leader.models()[MODEL]
+    keep_replica(group.leader.redis, group.group, 2, "ghost", record, read_owners(group.leader.redis, group.group, 2))
     assert [m.id for m in client.models.list().data] == [MODEL]  # asked of the ranks
     args = ("--broker", group.broker_url, "--group", "srv", "--tp", "2")
     assert json.loads(cli("celerytp", "models", "list", *args).stdout)["ghost"]["held_by_ranks"] == []

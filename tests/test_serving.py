@@ -15,7 +15,7 @@ import pytest
 
 from celerytp import Leader
 from celerytp.cluster import LocalCluster
-from celerytp.core.keys import loop_key
+from celerytp.core.keys import loop_key, queue_key
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +80,7 @@ def test_a_short_request_overtakes_a_long_one_and_a_running_one_cancels(tp2):
 def test_a_cancelled_queued_request_never_runs(tp2):
     # Hold the loop flag, as a loop being started would: the request waits in the queue.
     flag = loop_key(tp2.group, "smol")
-    deadline = time.monotonic() + 10
-    while not tp2.redis.set(flag, "held-by-test", nx=True, ex=30):  # the previous loop may still be ending
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _hold(tp2, flag)
     request = tp2.submit("smol", {"request_id": "queued-cancel", "prompt": [1, 2, 3], "max_tokens": 50})
     Leader(tp2.broker_url, tp2.group, tp2.world_size).cancel("queued-cancel")  # another leader: no queue removal
     tp2.redis.delete(flag)  # as if that loop had died: the waiter starts one, which must not run the request
@@ -91,11 +88,19 @@ def test_a_cancelled_queued_request_never_runs(tp2):
     assert result.finish_reason == "cancelled" and result.token_ids == []
     assert tp2.serving_stats("smol")["requests"] == 0
     # Cancelled by the leader that queued it: taken off the queue at once.
-    tp2.redis.set(flag, "held-by-test", ex=30)
+    _hold(tp2, flag)
     mine = tp2.submit("smol", {"request_id": "queued-cancel-2", "prompt": [1, 2, 3], "max_tokens": 50})
     tp2.cancel("queued-cancel-2")
-    assert mine.result(10).finish_reason == "cancelled" and tp2.redis.llen(f"celerytp:{tp2.group}:queue:smol") == 0
+    assert mine.result(10).finish_reason == "cancelled" and tp2.redis.llen(queue_key("smol")) == 0
     tp2.redis.delete(flag)
+
+
+def _hold(leader, flag: str) -> None:
+    """Hold a loop flag once the loop that has it ended (taking a live loop's lease would stop it)."""
+    deadline = time.monotonic() + 10
+    while not leader.redis.set(flag, "held-by-test", nx=True, ex=30):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_a_follow_up_chat_turn_reuses_the_cached_prefix(tp2):

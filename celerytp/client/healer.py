@@ -12,10 +12,20 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from celerytp.client.registry import drop_replica, keep_replica
 from celerytp.client.waiting import no_worker
 from celerytp.core.app import queue_name
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.keys import broken_key, comm_key, heal_lock_key, loop_key, members_key, models_key, owner_key
+from celerytp.core.keys import (
+    broken_key,
+    comm_key,
+    heal_lock_key,
+    loop_failures_key,
+    loop_key,
+    members_key,
+    models_key,
+    owner_key,
+)
 from celerytp.core.liveness import read_owners
 from celerytp.core.redis_scripts import RELEASE_IF_HOLDER, RENEW_IF_HOLDER
 
@@ -27,7 +37,10 @@ log = logging.getLogger(__name__)
 HEAL_LOCK_TTL_S = 10  # renewed while the heal runs; a leader that dies while healing frees it after this
 HEAL_WAIT_S = 10.0  # one wait of a heal's ping/init/unload: a message eaten by a dying rank costs this, then a retry
 # Failures after which a heal (or an op that meets them) tries again once the group re-formed.
-HEAL_AGAIN = {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.INIT_FAILED, ErrorKind.GROUP_BROKEN}
+HEAL_AGAIN = {ErrorKind.RANK_LOST, ErrorKind.TIMEOUT, ErrorKind.INIT_FAILED, ErrorKind.GROUP_BROKEN, ErrorKind.NOT_INITIALISED}
+# Failures of a model's own files or settings: the only ones after which a heal drops a model's
+# record. Any other failure of its reload is the group's, and the heal goes on.
+MODEL_FAULTS = {ErrorKind.LOAD_FAILED, ErrorKind.UNSUPPORTED_ARCH, ErrorKind.BAD_REQUEST}
 
 
 class _LockRenewal:
@@ -68,11 +81,44 @@ class Healer:
         pipe.hgetall(models_key(self.leader.group))
         pipe.mget([comm_key(self.leader.group), broken_key(self.leader.group)])
         members, owners, models, (comm, broken) = pipe.execute()
+        if members is None and None not in owners and self.rebuild():  # Redis lost it: ask the ranks
+            return self.damage()
         now = [o.decode() if o else None for o in owners]
-        regroup = members is not None and json.loads(members) != now  # no record (Redis restarted): it stands
+        regroup = members is not None and json.loads(members) != now  # no record, no rank to ask: it stands
         regroup = regroup or (broken is not None and broken == comm)  # a rank reported this epoch broken
         stale = [k.decode() for k, v in models.items() if json.loads(v).get("holders", now) != now]
         return regroup, stale
+
+    def rebuild(self) -> bool:
+        """Rebuild what Redis lost of this group (restarted without persistence, or a new Redis)
+        from what its ranks report: the members (a rank outside the ranks' common live epoch is
+        recorded as no member, so the group re-forms), the comm id, and the model records (a
+        model some rank lacks is recorded so, and loaded again). False: a rank could not answer."""
+        lead = self.leader
+        owners = read_owners(lead.redis, lead.group, lead.world_size)
+        if None in owners:
+            return False
+        try:
+            pongs = lead.ping(HEAL_WAIT_S)
+        except CeleryTPError as exc:
+            log.warning("cannot rebuild group %s from its ranks: %s", lead.group, exc)
+            return False
+        comms = [pong.comm_id for pong in pongs if pong.comm_id and not pong.group_broken]
+        if not comms:
+            return False  # the group never formed (or every rank lost it): nothing to rebuild, `init` forms it
+        live = max(set(comms), key=comms.count)
+        members = [o.decode() if pong.comm_id == live else None for o, pong in zip(owners, pongs, strict=True)]
+        pipe = lead.redis.pipeline()
+        pipe.set(members_key(lead.group), json.dumps(members), nx=True)
+        pipe.set(comm_key(lead.group), live, nx=True)
+        pipe.execute()
+        recorded = lead.redis.hkeys(models_key(lead.group))
+        for model_id in {m for pong in pongs for m in pong.models} - {m.decode() for m in recorded}:
+            record = next(pong.models[model_id] for pong in pongs if model_id in pong.models)
+            holders = [o if model_id in pong.models and pong.comm_id == live else None for o, pong in zip(owners, pongs, strict=True)]
+            keep_replica(lead.redis, lead.group, lead.world_size, model_id, record, holders)
+            log.warning("model %s of group %s registered again from its ranks (Redis had lost it)", model_id, lead.group)
+        return True
 
     def ensure(self) -> None:
         """Heal first when the group or a model needs it (a replaced worker, a broken epoch)."""
@@ -142,8 +188,9 @@ class Healer:
                         raise
             try:
                 self.leader._load(model_id, record["load"])
+                self.leader.redis.hdel(loop_failures_key(model_id), self.leader.group)  # healed: its loops start afresh
             except CeleryTPError as exc:
-                if exc.kinds & HEAL_AGAIN:
-                    raise  # the group broke again: heal again
+                if not exc.kinds <= MODEL_FAULTS:
+                    raise  # the group's failure, not the model's: heal again
                 log.error("model %s could not be loaded again after a rank was replaced, so it is unloaded: %s", model_id, exc)
-                self.leader.redis.hdel(models_key(self.leader.group), model_id)
+                drop_replica(self.leader.redis, self.leader.group, model_id)

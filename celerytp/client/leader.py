@@ -20,22 +20,17 @@ from celerytp.client.dispatch import ChordPublisher, DispatchLockTimeout
 from celerytp.client.generation import MODES, GenerationResult, TokenStream, check_spec, finish, prepare, run_steps
 from celerytp.client.healer import Healer
 from celerytp.client.progress import LoadProgress
+from celerytp.client.registry import discover_groups, drop_replica, keep_replica, record_of, replicas, served
 from celerytp.client.requests import LOOP_START_TTL_S, PendingRequest, RequestQueues
 from celerytp.client.waiting import ChordWaiter, no_worker
 from celerytp.core import protocol as p
 from celerytp.core.app import DEFAULT_GROUP, GATHER_TASK, make_app, op_task_name, queue_name
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
-from celerytp.core.keys import (
-    comm_key,
-    loop_key,
-    loop_stats_key,
-    members_key,
-    models_key,
-    owner_key,
-    queue_key,
-)
+from celerytp.core.keys import comm_key, loop_key, loop_stats_key, members_key, owner_key, queue_key
 from celerytp.core.liveness import HeartbeatTiming, RankWatch, read_owners
 from celerytp.core.model_files import default_model_path
+from celerytp.core.redis_client import broker_errors, connect
+from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 from celerytp.core.registry import model_record
 from celerytp.core.safe_transport import dead_letter_key
 from celerytp.core.sampling import SamplingParams
@@ -43,6 +38,7 @@ from celerytp.core.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 GROUP_FORMING_OPS = ("ping", "init", "shutdown")  # run on the workers as they are, healed or not
+REBUILD_EVERY_S = 2.0  # the registry is rebuilt from the ranks at most this often
 
 
 class Leader:
@@ -72,18 +68,22 @@ class Leader:
         self.world_size = world_size
         self.timeout = timeout
         self.app = make_app(broker_url, group, world_size, main="celerytp-leader")
-        self.redis = redis.Redis.from_url(broker_url)
+        self.redis = connect(broker_url)
         self._local_lock = threading.Lock()
         self._publisher = ChordPublisher(self.app, self.redis, group, world_size, GATHER_TASK)
         self.recovery_timeout = recovery_timeout
         self._timing = HeartbeatTiming.from_env()
-        self._queues = RequestQueues(self.redis, group, self._start_loop, self._rank_watch)
+        self._queues = RequestQueues(self.redis, self._serve)
+        self._peers: dict[str, Leader] = {}  # leaders of the other groups serving our models (replicas)
+        self._peers_lock = threading.Lock()
+        self._rebuilt_at = -REBUILD_EVERY_S
         self.generate_timeout = 3600.0
         self._waiter = ChordWaiter(self.app, self.redis, group, world_size, self._publisher, self._timing)
         self._healer = Healer(self)
 
     # ---- foundation ops ---------------------------------------------------------------
 
+    @broker_errors
     def ping(self, timeout: float | None = None) -> list[p.Pong]:
         """Every rank's pong, through the ranks' control path: it never waits behind an op."""
         owners = self._live_owners("ping")
@@ -91,6 +91,7 @@ class Leader:
         replies = control_call(self.redis, self.group, self.world_size, "ping", self.timeout if timeout is None else timeout, watch)
         return [p.parse_reply(r) for r in replies]
 
+    @broker_errors
     def init(self, comm_id: str | None = None, timeout_s: float = 60.0) -> list[p.InitOk]:
         """Form a new process group epoch (a fresh comm_id unless one is given)."""
         comm_id = comm_id or uuid.uuid4().hex
@@ -102,6 +103,7 @@ class Leader:
         pipe.execute()
         return replies
 
+    @broker_errors
     def ensure_formed(self) -> None:
         """Form the group only when it is not: a rank with no group, ranks in different epochs, or a
         broken one. A live group is used as it is, with its models loaded (`celerytp check`)."""
@@ -120,6 +122,7 @@ class Leader:
 
     # ---- models -----------------------------------------------------------------------
 
+    @broker_errors
     def load(
         self,
         model_id: str,
@@ -168,11 +171,28 @@ class Leader:
         self._keep_record(model_id, record, read_owners(self.redis, self.group, self.world_size))
         return replies
 
+    @broker_errors
     def models(self) -> dict[str, dict]:
-        """The group's model records in Redis (by any leader): model_id -> {path, dtype, ...}. A
-        record can outlive what a restarted rank holds; `held_models` asks the ranks."""
-        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(models_key(self.group)).items()}
+        """Every served model, by any group: model_id -> its record {path, dtype, ...} with
+        `replicas` (group -> world size). A record can outlive what a restarted rank holds;
+        `held_models` asks this group's ranks, `rebuild_registry` rebuilds it from the ranks."""
+        return served(self.redis)
 
+    @broker_errors
+    def rebuild_registry(self) -> None:
+        """After Redis lost its state (restarted without persistence, or a new Redis): each live
+        group's members, comm id and model records again, from what its ranks report."""
+        if time.monotonic() - self._rebuilt_at < REBUILD_EVERY_S:
+            return  # a burst of requests for an unknown model asks the ranks once
+        self._rebuilt_at = time.monotonic()
+        groups = {**discover_groups(self.redis), self.group: self.world_size}
+        for group, world_size in groups.items():
+            try:
+                self._peer(group, world_size)._healer.rebuild()
+            except CeleryTPError as exc:  # a group with a missing rank: rebuilt once it heals
+                log.warning("could not rebuild the registry of group %s: %s", group, exc)
+
+    @broker_errors
     def held_models(self) -> dict[str, dict]:
         """Models every rank holds now, as the ranks report them (a ping): model_id -> its record."""
         pongs = self.ping()
@@ -198,13 +218,19 @@ class Leader:
     def clear_kv_cache(self, model_id: str) -> list[p.Cleared]:
         return self.call("clear_kv_cache", {"model_id": model_id})
 
-    def unload(self, model_id: str) -> list[p.Unloaded]:
-        """Free the model on every rank."""
+    @broker_errors
+    def unload(self, model_id: str, everywhere: bool = False) -> list[p.Unloaded]:
+        """Free the model on every rank of this group (`everywhere`: of every group serving it;
+        the replies of every group, in group order)."""
+        if everywhere:
+            groups = sorted(replicas(self.redis, model_id).items())
+            return [reply for group, size in groups for reply in self._peer(group, size).unload(model_id)]
         try:
             return self.call("unload", {"model_id": model_id})
         finally:
-            self.redis.hdel(models_key(self.group), model_id)
+            drop_replica(self.redis, self.group, model_id)
 
+    @broker_errors
     def generate(
         self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, mode: str = "fused", **options
     ) -> GenerationResult:
@@ -223,9 +249,10 @@ class Leader:
         if mode == "step":
             row = run_steps(partial(self.step, model_id), prepared, record["max_context"])
         else:
-            row = self._queues.submit(model_id, prepared.spec, record["max_queue"]).result(self.generate_timeout)
+            row = self._queues.submit(model_id, prepared.spec, record["max_queue"], self.generate_timeout).result()
         return finish(prepared, row, mode)
 
+    @broker_errors
     def stream(self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options) -> TokenStream:
         """Like generate (fused), but iterate the returned stream for text deltas as they come.
 
@@ -234,9 +261,10 @@ class Leader:
         """
         record = self._record(model_id)
         prepared = prepare(record, prompt=prompt, messages=messages, stream=True, **options)
-        pending = self._queues.submit(model_id, prepared.spec, record["max_queue"])
+        pending = self._queues.submit(model_id, prepared.spec, record["max_queue"], self.generate_timeout)
         return TokenStream(pending, prepared, self.generate_timeout)
 
+    @broker_errors
     def submit(self, model_id: str, spec: dict[str, Any]) -> PendingRequest:
         """Queue a token-level request (protocol GenSpec fields: request_id, prompt ids,
         max_tokens, sampling, stop, eos_token_ids, stream) for the model's serving loop.
@@ -245,18 +273,20 @@ class Leader:
         """
         record = self._record(model_id)
         check_spec(record, spec)
-        return self._queues.submit(model_id, spec, record["max_queue"])
+        return self._queues.submit(model_id, spec, record["max_queue"], self.generate_timeout)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a fused request, from any leader: a queued one never runs, a running one stops
         within a step. It ends as "cancelled"."""
         self._queues.cancel(request_id)
 
+    @broker_errors
     def serving_stats(self, model_id: str) -> dict[str, int]:
-        """The model's queue and serving loop: `queued`, `loop_running` (0/1), `running_rows`,
-        `peak_rows`, `steps`, `requests`, `reused_tokens` of the current or last loop."""
+        """The model's queue (shared by its replicas) and this group's serving loop: `queued`,
+        `loop_running` (0/1), `running_rows`, `peak_rows`, `steps`, `requests`, `reused_tokens`
+        of the current or last loop."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.llen(queue_key(self.group, model_id))
+        pipe.llen(queue_key(model_id))
         pipe.exists(loop_key(self.group, model_id))
         pipe.hgetall(loop_stats_key(self.group, model_id))
         queued, running, stats = pipe.execute()
@@ -279,23 +309,86 @@ class Leader:
             ) from None
 
     def _record(self, model_id: str) -> dict[str, Any]:
-        """The model's record, from Redis; after a Redis restart, from the ranks (and kept again)."""
-        self._ensure_group()
-        raw = self.redis.hget(models_key(self.group), model_id)
-        if raw is not None:
-            return json.loads(raw)
-        holders = read_owners(self.redis, self.group, self.world_size)
-        record = self.held_models().get(model_id)
+        """The model's record (this group's when it serves the model, healing it first when it
+        must); after Redis lost the registry, rebuilt from the ranks."""
+        if self.group in replicas(self.redis, model_id):
+            self._ensure_group()
+        record = record_of(self.redis, model_id, prefer=self.group)
+        if record is None:
+            self._ensure_group()
+            self.rebuild_registry()
+            record = record_of(self.redis, model_id, prefer=self.group)
         if record is None:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
-        self._keep_record(model_id, record, holders)
         return record
 
     def _keep_record(self, model_id: str, record: dict[str, Any], holders: list[bytes | None]) -> None:
-        """Register a model as held by the workers `holders` (a replaced one will have lost it)."""
-        record = {**record, "holders": [h.decode() if h else None for h in holders]}
-        self.redis.hset(models_key(self.group), model_id, json.dumps(record))
+        """Register a model as held by this group's workers `holders` (a replaced one will have lost it)."""
+        keep_replica(self.redis, self.group, self.world_size, model_id, record, holders)
 
+    # ---- replicas: the groups serving one model ---------------------------------------
+
+    def _peer(self, group: str, world_size: int) -> Leader:
+        """The leader of a group serving a model with this one (same broker and settings)."""
+        if group == self.group:
+            return self
+        with self._peers_lock:
+            if group not in self._peers:
+                self._peers[group] = Leader(self.broker_url, group, world_size, self.timeout, self.recovery_timeout)
+            return self._peers[group]
+
+    def _serve(self, model_id: str, heal: bool) -> None:
+        """Start the serving loop of `model_id` on each replica group that has none and is whole;
+        loops pull from the shared queue, so a busy or slow group takes less.
+
+        `heal` (a waiter whose request no loop will take): when no replica runs a loop or can
+        start one, heal one (this group first) and start its loop.
+        """
+        groups = replicas(self.redis, model_id)
+        if not groups:
+            self.rebuild_registry()
+            groups = replicas(self.redis, model_id)
+        if not groups:
+            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded", op="generate")
+        flags = self.redis.mget([loop_key(group, model_id) for group in groups])
+        serving, failure = any(flags), None
+        for (group, world_size), flag in zip(groups.items(), flags, strict=True):
+            peer = self._peer(group, world_size)
+            if flag is not None or peer._needs_heal():
+                continue
+            try:
+                peer._start_loop_if_idle(model_id)
+                serving = True
+            except CeleryTPError as exc:
+                failure = exc
+        if serving:
+            return
+        if not heal:
+            if failure is not None:
+                raise failure
+            return  # every replica needs healing: the request's waiter heals one
+        group = self.group if self.group in groups else next(iter(groups))
+        peer = self._peer(group, groups[group])
+        peer.heal()
+        peer._start_loop_if_idle(model_id)
+
+    def _needs_heal(self) -> bool:
+        regroup, stale = self._healer.damage()
+        return regroup or bool(stale) or None in read_owners(self.redis, self.group, self.world_size)
+
+    def _start_loop_if_idle(self, model_id: str) -> None:
+        """Start this group's loop of `model_id` unless one runs or is being started."""
+        loop_id = uuid.uuid4().hex
+        flag = loop_key(self.group, model_id)
+        if not self.redis.set(flag, loop_id, nx=True, ex=LOOP_START_TTL_S):
+            return
+        try:
+            self._start_loop(model_id, loop_id)
+        except CeleryTPError:
+            self.redis.eval(RELEASE_IF_HOLDER, 1, flag, loop_id)  # the next submitter tries again
+            raise
+
+    @broker_errors
     def dead_letters(self, limit: int = 100) -> dict[int, list[str]]:
         """Per rank, the newest malformed messages its worker dropped (core/safe_transport.py)."""
         keys = [dead_letter_key(queue_name(self.group, r)) for r in range(self.world_size)]
@@ -304,6 +397,7 @@ class Leader:
             pipe.lrange(key, 0, limit - 1)
         return {rank: [m.decode(errors="replace") for m in found] for rank, found in enumerate(pipe.execute())}
 
+    @broker_errors
     def health(self) -> list[dict | None]:
         """Each rank's heartbeat record (host, pid, device), or None for a rank with no live worker."""
         values = self.redis.mget([owner_key(self.group, r) for r in range(self.world_size)])
@@ -311,6 +405,7 @@ class Leader:
 
     # ---- healing (client/healer.py) ---------------------------------------------------
 
+    @broker_errors
     def heal(self, timeout: float | None = None) -> None:
         """Re-form the group once every rank has a live worker (or after a rank reported it broken),
         and load again every model that a replaced worker lost; see Healer.heal."""
@@ -321,6 +416,7 @@ class Leader:
 
     # ---- dispatch ---------------------------------------------------------------------
 
+    @broker_errors
     def call(
         self,
         op: str,
@@ -381,6 +477,3 @@ class Leader:
                 raise no_worker(op, missing, "no live worker holds this rank")
             time.sleep(0.05)
 
-    def _rank_watch(self) -> RankWatch:
-        """A watch over the ranks' workers as they are now (generation requests use it while they wait)."""
-        return RankWatch(self.redis, self.group, read_owners(self.redis, self.group, self.world_size), self._timing)

@@ -1,9 +1,12 @@
-"""Generation requests from any leader: queue them for a model's serving loop and follow them.
+"""Generation requests from any leader: queue them for a model's serving loops and follow them.
 
-A request goes onto the model's Redis queue; if no serving loop runs, the submitter starts one
-with a `serve` chord. Its tokens (when streamed) and its result come back on the request's
-Redis Stream, readable from any process. A waiter whose request is still queued while no loop
-runs starts one itself, so no request is stranded (core/redis_scripts.py has the scripts).
+A request goes onto the model's Redis queue, which every group serving the model (its replicas)
+pulls from; the submitter starts the serving loop of each replica that has none. Its tokens
+(when streamed) and its result come back on the request's Redis Stream, readable from any
+process. A request outlives the group that runs it: when that group fails, its requests go
+back to the queue and resume elsewhere (worker/request_source.py), and the waiter here only
+makes sure some loop will take them: it gives back what a dead group held, starts a loop, or
+heals a group when none can run. A waiter whose request Redis lost queues it again.
 """
 
 from __future__ import annotations
@@ -11,28 +14,28 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import redis
 
-from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
-from celerytp.core.keys import cancel_key, loop_key, queue_key, stream_key
-from celerytp.core.liveness import RankWatch
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.keys import cancel_key, inflight_key, loop_key, queue_key, replicas_key, request_key, stream_key
 from celerytp.core.protocol import RowResult
-from celerytp.core.redis_scripts import RELEASE_IF_HOLDER, RESTART_IF_STRANDED, SUBMIT
+from celerytp.core.redis_client import unavailable
+from celerytp.core.redis_scripts import RECLAIM, SUBMIT
 from celerytp.core.stream_record import StreamRecord
 
 log = logging.getLogger(__name__)
 
 LOOP_START_TTL_S = 120  # the loop flag until the loop's rank 0 takes it over (it may queue behind an op)
 STRANDED_CHECK_S = 0.5  # how often a waiter with no news checks that a loop will take its request
-LOST_AFTER_S = 15.0  # nowhere (not queued, no loop flag, no stream) this long: Redis lost the request
+LOST_AFTER_S = 1.0  # no marker, no stream, not queued this long: Redis lost the request, queue it again
+MAX_REQUEUES = 3  # times a waiter queues again a request that Redis lost
 CANCEL_TTL_S = 600
+MARKER_TTL_S = 4 * 3600  # a request's marker (its queued JSON) outlives any wait for it
 
-StartLoop = Callable[[str, str], None]  # (model_id, loop_id): publish a serve chord
-WatchRanks = Callable[[], RankWatch]  # a watch over the ranks' workers as they are now
+Serve = Callable[[str, bool], None]  # (model_id, heal): start loops on the model's replicas (see Leader._serve)
 
 
 @dataclass(frozen=True)
@@ -46,62 +49,52 @@ class Done:
 
 
 class RequestQueues:
-    """The leader side of every model's request queue in one group.
+    """The leader side of every model's request queue.
 
     Args:
-        client: Redis of the group.
-        group: the group name.
-        start_loop: publishes a `serve` chord for (model_id, loop_id).
-        watch_ranks: a watch over the ranks' workers; a waiting request fails with rank_lost
-            when one of them dies.
+        client: the Redis of the groups.
+        serve: starts a serving loop on each replica of a model that has none; with heal True
+            (a request waits and no loop runs anywhere) it heals a replica first.
     """
 
-    def __init__(self, client: redis.Redis, group: str, start_loop: StartLoop, watch_ranks: WatchRanks):
+    def __init__(self, client: redis.Redis, serve: Serve):
         self._redis = client
-        self._group = group
-        self._start_loop = start_loop
-        self._watch_ranks = watch_ranks
+        self._serve = serve
         self._submit = client.register_script(SUBMIT)
-        self._restart = client.register_script(RESTART_IF_STRANDED)
+        self._reclaim = client.register_script(RECLAIM)
         self._followed: dict[str, tuple[str, str]] = {}  # request id -> (model id, queued JSON)
 
-    def submit(self, model_id: str, spec: dict, max_queue: int) -> PendingRequest:
-        """Queue `spec` (a GenSpec) for `model_id`; CeleryTPError(overloaded) when the queue is full."""
-        spec = {**spec, "submitted_at": time.time()}
-        item = json.dumps(spec)
-        watch = self._watch_ranks()
-        keys = [queue_key(self._group, model_id), loop_key(self._group, model_id)]
-        loop_id = uuid.uuid4().hex
-        outcome = int(self._submit(keys=keys, args=[item, max_queue, loop_id, LOOP_START_TTL_S]))
-        if outcome < 0:
-            raise CeleryTPError(
-                ErrorKind.OVERLOADED, f"model {model_id!r} has {max_queue} requests queued already; try again later"
-            )
-        if outcome == 1:
-            self._start(model_id, loop_id, item)
-        self._followed[spec["request_id"]] = (model_id, item)
-        return PendingRequest(self, model_id, spec["request_id"], item, watch)
-
-    def ensure_loop(self, model_id: str, request_id: str, item: str) -> bool:
-        """Start a loop for a request still queued with no loop to take it; False: the request
-        is nowhere (not queued, no loop, no stream: Redis lost it)."""
-        keys = [queue_key(self._group, model_id), loop_key(self._group, model_id), stream_key(self._group, request_id)]
-        loop_id = uuid.uuid4().hex
-        outcome = int(self._restart(keys=keys, args=[item, loop_id, LOOP_START_TTL_S]))
-        if outcome == 1:
-            self._start(model_id, loop_id, item)
-        return outcome >= 0
-
-    def _start(self, model_id: str, loop_id: str, item: str) -> None:
-        """Start the model's loop for the request `item`. When that fails (a typed error), nothing is
-        left behind: the request leaves the queue and the loop flag is freed for the next submitter,
-        instead of stalling the queue until the flag's TTL."""
+    def submit(self, model_id: str, spec: dict, max_queue: int, timeout: float) -> PendingRequest:
+        """Queue `spec` (a GenSpec) for `model_id`, to be taken within `timeout` seconds;
+        CeleryTPError(overloaded) when the queue is full. A request id that is already queued or
+        running is followed, not run twice (a redelivered front-door task)."""
+        now = time.time()
+        item = json.dumps({**spec, "submitted_at": now, "queue_deadline": now + timeout})
+        request_id = spec["request_id"]
         try:
-            self._start_loop(model_id, loop_id)
+            outcome = self._submit(keys=[queue_key(model_id), request_key(request_id)], args=[item, max_queue, MARKER_TTL_S])
+            if outcome == -1:
+                raise CeleryTPError(
+                    ErrorKind.OVERLOADED, f"model {model_id!r} has {max_queue} requests queued already; try again later"
+                )
+            if isinstance(outcome, bytes):  # already submitted: follow that one
+                item = outcome.decode()
+            else:
+                self._start(model_id, request_id, item)
+        except redis.RedisError as exc:
+            raise unavailable(exc) from None
+        self._followed[request_id] = (model_id, item)
+        return PendingRequest(self, model_id, request_id, item, timeout)
+
+    def _start(self, model_id: str, request_id: str, item: str) -> None:
+        """Start the model's loops for a new request. When no loop can run (a typed error), nothing
+        is left behind: the request leaves the queue."""
+        try:
+            self._serve(model_id, False)
         except CeleryTPError:
             pipe = self._redis.pipeline()
-            pipe.lrem(queue_key(self._group, model_id), 1, item)
-            pipe.eval(RELEASE_IF_HOLDER, 1, loop_key(self._group, model_id), loop_id)
+            pipe.lrem(queue_key(model_id), 1, item)
+            pipe.delete(request_key(request_id))
             pipe.execute()
             raise
 
@@ -109,82 +102,103 @@ class RequestQueues:
         """Cancel a request: a queued one never runs, a running one stops within a step.
 
         A request this leader submitted is taken off the queue at once (with its done record);
-        any other is stopped by rank 0, which sees the cancel key when it takes or steps it.
+        any other is stopped by its rank 0, which sees the cancel key when it takes or steps it.
         """
-        self._redis.set(cancel_key(self._group, request_id), 1, ex=CANCEL_TTL_S)
-        model_id, item = self._followed.get(request_id, (None, None))
-        if item is not None and self._redis.lrem(queue_key(self._group, model_id), 1, item):
-            spec = json.loads(item)
-            result = RowResult(
-                request_id=request_id, token_ids=[], finish_reason="cancelled", prompt_tokens=len(spec["prompt"]),
-                ttft_s=0.0, decode_s=0.0,
-            )
-            key = stream_key(self._group, request_id)
-            self._redis.xadd(key, StreamRecord.of_result(result).to_fields())
-            self._redis.expire(key, CANCEL_TTL_S)
+        try:
+            self._redis.set(cancel_key(request_id), 1, ex=CANCEL_TTL_S)
+            model_id, item = self._followed.get(request_id, (None, None))
+            if item is not None and self._redis.lrem(queue_key(model_id), 1, item):
+                spec = json.loads(item)
+                result = RowResult(
+                    request_id=request_id, token_ids=[], finish_reason="cancelled", prompt_tokens=len(spec["prompt"]),
+                    ttft_s=0.0, decode_s=0.0,
+                )
+                key = stream_key(request_id)
+                self._redis.xadd(key, StreamRecord.of_result(result).to_fields())
+                self._redis.expire(key, CANCEL_TTL_S)
+        except redis.RedisError as exc:
+            raise unavailable(exc) from None
 
-    def events(
-        self, model_id: str, request_id: str, item: str, deadline: float, watch: RankWatch
-    ) -> Iterator[Token | Done]:
-        """The request's tokens (if streamed) then its result; raises its error, a timeout, or
-        rank_lost (and leaves the queue) when a rank's worker dies while it waits."""
-        key = stream_key(self._group, request_id)
-        last, checked, missing = "0-0", time.monotonic(), 0
+    def events(self, model_id: str, request_id: str, item: str, deadline: float) -> Iterator[Token | Done]:
+        """The request's tokens (if streamed), each once and in order, then its result; raises its
+        error or a timeout (and leaves the queue)."""
+        key = stream_key(request_id)
+        last, checked, missing, requeued, expected = "0-0", time.monotonic(), 0, 0, 0
         finished = False
         try:
             while True:
                 now = time.monotonic()
                 if now > deadline:
-                    self._redis.lrem(queue_key(self._group, model_id), 1, item)
+                    self._redis.lrem(queue_key(model_id), 1, item)
                     raise CeleryTPError(ErrorKind.TIMEOUT, f"request {request_id}: no result within the deadline")
                 reply = self._redis.xread({key: last}, count=256, block=int(min(0.25, deadline - now) * 1000) + 1)
                 if not reply:
                     if now - checked > STRANDED_CHECK_S:
                         checked = now
-                        self._check_ranks(model_id, item, watch)
-                        missing = 0 if self.ensure_loop(model_id, request_id, item) else missing + 1
+                        missing = 0 if self._ensure_taken(model_id, request_id, item) else missing + 1
                         if missing * STRANDED_CHECK_S > LOST_AFTER_S:  # for longer than any flag refresh gap
-                            raise CeleryTPError(
-                                ErrorKind.INTERNAL,
-                                f"request {request_id} was lost: it is neither queued nor running (did Redis restart?)",
-                            )
+                            requeued, missing, last = self._requeue(model_id, request_id, item, requeued), 0, "0-0"
                     continue
                 for entry_id, fields in reply[0][1]:
                     last = entry_id
                     record = StreamRecord.from_fields(fields)
                     if record.token is not None:
-                        yield Token(record.token)
+                        if record.index == expected:  # a resumed request's earlier holder may have written it too
+                            expected += 1
+                            yield Token(record.token)
                     elif record.done is not None:
                         finished = True
                         yield Done(record.done)
                         return
                     else:
                         finished = True
-                        if record.error[0] in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
-                            self._check_ranks(model_id, item, watch, wait=True)  # name the rank behind it
                         record.raise_error()
         except redis.RedisError as exc:
-            raise CeleryTPError(ErrorKind.TIMEOUT, f"request {request_id}: Redis failed while waiting: {exc}") from None
+            raise unavailable(exc) from None
         finally:
             # Abandoned (the caller stopped iterating, was interrupted, or its wait failed): cancel it,
             # so its row frees within a step. The cancel key is left to its TTL: rank 0 reads it later.
             self._followed_end(request_id, key, abandoned=not finished)
 
+    def _ensure_taken(self, model_id: str, request_id: str, item: str) -> bool:
+        """Make sure a loop will take the request: give back what dead groups held, start loops, heal
+        a replica when no loop runs anywhere. False: the request is nowhere (Redis lost it)."""
+        groups = [g.decode() for g in self._redis.hkeys(replicas_key(model_id))]
+        keys = [queue_key(model_id)]
+        for group in groups:
+            keys += [inflight_key(group, model_id), loop_key(group, model_id)]
+        pipe = self._redis.pipeline(transaction=False)
+        self._reclaim(keys=keys, client=pipe)
+        pipe.lpos(queue_key(model_id), item)
+        pipe.exists(request_key(request_id), stream_key(request_id))
+        if groups:
+            pipe.mget([loop_key(g, model_id) for g in groups])
+        _, queued, known, *flags = pipe.execute()
+        if queued is not None and not any(flags[0] if flags else []):
+            self._serve(model_id, True)  # may heal: this waiter waits anyway
+        return queued is not None or known > 0
+
+    def _requeue(self, model_id: str, request_id: str, item: str, requeued: int) -> int:
+        """Queue again a request that Redis lost (restarted without its data). Tokens its reader
+        already has are not repeated: the new run's stream is read from the same index on."""
+        if requeued >= MAX_REQUEUES:
+            raise CeleryTPError(ErrorKind.INTERNAL, f"request {request_id} was lost {requeued + 1} times (did Redis restart?)")
+        log.warning("request %s was lost (did Redis restart without its data?); queueing it again", request_id)
+        pipe = self._redis.pipeline()
+        pipe.rpush(queue_key(model_id), item)
+        pipe.set(request_key(request_id), item, ex=MARKER_TTL_S)
+        pipe.execute()
+        self._serve(model_id, True)
+        return requeued + 1
+
     def _followed_end(self, request_id: str, key: str, abandoned: bool) -> None:
         try:
             if abandoned:
                 self.cancel(request_id)
-            self._redis.delete(key)
-        except redis.RedisError as exc:  # the caller already has its answer or its error
+            self._redis.delete(key, request_key(request_id))
+        except (redis.RedisError, CeleryTPError) as exc:  # the caller already has its answer or its error
             log.warning("request %s: could not clean up after it: %s", request_id, exc)
         self._followed.pop(request_id, None)
-
-    def _check_ranks(self, model_id: str, item: str, watch: RankWatch, wait: bool = False) -> None:
-        lost = watch.lost_soon() if wait else watch.lost()
-        if lost:
-            self._redis.lrem(queue_key(self._group, model_id), 1, item)  # no loop of this group will answer it
-            failures = [RankFailure(rank, ErrorKind.RANK_LOST, why) for rank, why in sorted(lost.items())]
-            raise CeleryTPError.from_failures("generate", failures)
 
 
 @dataclass
@@ -195,12 +209,13 @@ class PendingRequest:
     model_id: str
     request_id: str
     item: str  # the queued JSON (identifies it in the queue)
-    watch: RankWatch  # the ranks' workers when it was queued
+    timeout: float  # the wait `result` and `events` use by default
 
-    def events(self, timeout: float) -> Iterator[Token | Done]:
-        return self.queues.events(self.model_id, self.request_id, self.item, time.monotonic() + timeout, self.watch)
+    def events(self, timeout: float | None = None) -> Iterator[Token | Done]:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        return self.queues.events(self.model_id, self.request_id, self.item, deadline)
 
-    def result(self, timeout: float) -> RowResult:
+    def result(self, timeout: float | None = None) -> RowResult:
         for event in self.events(timeout):
             if isinstance(event, Done):
                 return event.result

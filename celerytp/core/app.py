@@ -7,6 +7,8 @@ import os
 from celery import Celery
 from kombu import Queue
 
+from celerytp.core.redis_client import retry_window_s
+
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 DEFAULT_GROUP = "default"
 GATHER_TASK = "celerytp.gather"  # the chord body: orders the rank replies
@@ -44,6 +46,11 @@ def celery_config(broker_url: str, group: str, ranks: range) -> dict:
         "result_expires": 3600,
         "result_extended": False,
         "broker_connection_retry_on_startup": True,
+        # A Redis restart delays a publish instead of failing it (core/redis_client.py's window).
+        "task_publish_retry": True,
+        "task_publish_retry_policy": {
+            "max_retries": int(retry_window_s() / 0.5) + 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.5,
+        },
         # kombu's Redis transport behind a gate: malformed messages are dead-lettered, never delivered.
         "broker_transport": "celerytp.core.safe_transport:Transport",
         "broker_transport_options": {"visibility_timeout": 3600},

@@ -22,6 +22,8 @@ class ErrorKind(StrEnum):
     MODEL_NOT_LOADED = "model_not_loaded"
     FORWARD_FAILED = "forward_failed"
     OVERLOADED = "overloaded"
+    BROKER_UNAVAILABLE = "broker_unavailable"  # Redis stayed unreachable past the retry window
+    RETRIES_EXHAUSTED = "retries_exhausted"  # a request's group failed under it on every attempt
     INTERNAL = "internal"
 
 

@@ -1,5 +1,9 @@
 """Names of the coordination keys in Redis, in one place."""
 
+# Groups a request may be taken by before it is given up, and serving loops a group may fail in a
+# row before it starts none for a while (both are counted in keys below).
+MAX_ATTEMPTS = 3
+
 
 def owner_key(group: str, rank: int) -> str:
     return f"celerytp:{group}:rank:{rank}:owner"
@@ -28,6 +32,11 @@ def dispatch_lock_key(group: str) -> str:
     return f"celerytp:{group}:dispatch"
 
 
+def owner_pattern() -> str:
+    """SCAN pattern of every rank's owner key (finds the groups from their heartbeats)."""
+    return "celerytp:*:rank:*:owner"
+
+
 def rendezvous_prefix(group: str, comm_id: str) -> str:
     return f"celerytp:{group}:rdzv:{comm_id}:"
 
@@ -42,23 +51,60 @@ def load_progress_key(group: str, model_id: str) -> str:
     return f"celerytp:{group}:progress:{model_id}"
 
 
-def stream_key(group: str, request_id: str) -> str:
-    """Redis Stream of one request: its tokens (when streamed) and its `done` record (always)."""
-    return f"celerytp:{group}:stream:{request_id}"
+def stream_key(request_id: str) -> str:
+    """Redis Stream of one request: its tokens (when streamed) and its `done` record (always).
+    Keyed by request alone: the request's client does not know which replica group serves it."""
+    return f"celerytp:stream:{request_id}"
 
 
-def cancel_key(group: str, request_id: str) -> str:
-    """Set to cancel a request; rank 0 checks it while decoding."""
-    return f"celerytp:{group}:cancel:{request_id}"
+def cancel_key(request_id: str) -> str:
+    """Set to cancel a request; the rank 0 that holds it checks it while decoding."""
+    return f"celerytp:cancel:{request_id}"
 
 
-def queue_key(group: str, model_id: str) -> str:
-    """List of a model's queued generation requests (GenSpec JSON); every leader pushes here."""
-    return f"celerytp:{group}:queue:{model_id}"
+def request_key(request_id: str) -> str:
+    """The queued JSON of a request that is queued or running (a second submit of the same id
+    follows the first instead of running it twice)."""
+    return f"celerytp:request:{request_id}"
+
+
+def queue_key(model_id: str) -> str:
+    """List of a model's queued generation requests (GenSpec JSON), shared by every group that
+    serves the model (its replicas); every leader pushes here."""
+    return f"celerytp:model:{model_id}:queue"
+
+
+def replicas_key(model_id: str) -> str:
+    """Hash: group -> JSON {world_size} of each group that holds the model and serves its queue."""
+    return f"celerytp:model:{model_id}:replicas"
+
+
+def attempts_key(model_id: str) -> str:
+    """Hash: request id -> JSON list of the groups that took it so far (a request is given up after
+    MAX_ATTEMPTS)."""
+    return f"celerytp:model:{model_id}:attempts"
+
+
+def loop_failures_key(model_id: str) -> str:
+    """Hash: group -> JSON {count, error} of the group's serving loops of the model that failed in a
+    row (cleared by a loop that ends well); a group at MAX_ATTEMPTS starts no loop for a while."""
+    return f"celerytp:model:{model_id}:failures"
+
+
+def served_models_key() -> str:
+    """Set of the model ids that some group serves (keys of replicas_key)."""
+    return "celerytp:models"
+
+
+def inflight_key(group: str, model_id: str) -> str:
+    """List: the requests a group's serving loop took off the model's queue and has not answered
+    yet (given back to the queue when the loop fails or its lease, the loop flag, lapses)."""
+    return f"celerytp:{group}:inflight:{model_id}"
 
 
 def loop_key(group: str, model_id: str) -> str:
-    """Set while a model's serving loop runs or is being started (value: its loop id)."""
+    """Set while a group's serving loop of a model runs or is being started (value: its loop id);
+    refreshed every step, it is also the loop's lease on its in-flight requests."""
     return f"celerytp:{group}:loop:{model_id}"
 
 

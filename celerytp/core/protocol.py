@@ -102,8 +102,12 @@ class GenSpec(Message):
     sampling: dict[str, Any] | None = None
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=512)]], Field(max_length=16)] = []
     eos_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
-    stream: bool = False  # rank 0 XADDs each token to celerytp:<group>:stream:<request_id>
+    stream: bool = False  # rank 0 XADDs each token to the request's stream (keys.stream_key)
     submitted_at: float = 0.0  # the leader's wall clock at submission (queue time in the result)
+    queue_deadline: float = 0.0  # wall clock; taken later than this, it is answered `timeout` unrun
+    # Set by the rank 0 that resumes a request whose earlier group failed under it: the tokens
+    # already streamed to the client. The loop feeds them after the prompt and goes on from there.
+    resumed: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)] = []
 
 
 LoopId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]

@@ -1,8 +1,9 @@
 """One entry of a request's Redis Stream, typed: a token, the final result, or an error.
 
 Rank 0 writes these (worker/serving) and leaders read them (client/requests); both ends go
-through this model so the wire format lives in one place. On the wire each entry is one field:
-`t` (token id), `done` (RowResult JSON) or `error` ({kind, message} JSON).
+through this model so the wire format lives in one place. On the wire an entry is `t` (token id)
+with `i` (its index in the completion), `done` (RowResult JSON) or `error` ({kind, message} JSON).
+The index lets a reader drop a token that a resumed request's earlier holder also wrote.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from celerytp.core.protocol import RowResult
 
 class StreamRecord(BaseModel):
     token: int | None = None
+    index: int = 0  # the token's position in the completion
     done: RowResult | None = None
     error: tuple[ErrorKind, str] | None = None  # (kind, message)
 
     @classmethod
-    def of_token(cls, token: int) -> StreamRecord:
-        return cls(token=token)
+    def of_token(cls, token: int, index: int) -> StreamRecord:
+        return cls(token=token, index=index)
 
     @classmethod
     def of_result(cls, result: RowResult) -> StreamRecord:
@@ -35,7 +37,7 @@ class StreamRecord(BaseModel):
     def to_fields(self) -> dict[str, str | int]:
         """The Redis Stream fields of this record (XADD's mapping)."""
         if self.token is not None:
-            return {"t": self.token}
+            return {"t": self.token, "i": self.index}
         if self.done is not None:
             return {"done": self.done.model_dump_json()}
         if self.error is not None:
@@ -47,7 +49,7 @@ class StreamRecord(BaseModel):
         """Parse one XREAD entry's fields; CeleryTPError(internal) for anything else."""
         try:
             if b"t" in fields:
-                return cls(token=int(fields[b"t"]))
+                return cls(token=int(fields[b"t"]), index=int(fields[b"i"]))
             if b"done" in fields:
                 return cls(done=RowResult.model_validate_json(fields[b"done"]))
             if b"error" in fields:

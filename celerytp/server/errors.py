@@ -19,6 +19,8 @@ STATUS: dict[ErrorKind, int] = {
     ErrorKind.NOT_INITIALISED: 503,
     ErrorKind.GROUP_BROKEN: 503,
     ErrorKind.DEVICE_UNAVAILABLE: 503,
+    ErrorKind.BROKER_UNAVAILABLE: 503,
+    ErrorKind.RETRIES_EXHAUSTED: 503,
     ErrorKind.TIMEOUT: 504,
 }
 # OpenAI's `type` for each status (its SDKs map status codes to exception classes).

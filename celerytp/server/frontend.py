@@ -5,7 +5,8 @@ temperature, top_p, seed, stop, ...), validated the same way, and returns a JSON
 is a task failure whose message starts with the error kind (`bad_request: field 'x': ...`); it is
 raised as a builtin RuntimeError so that a producer without celerytp installed can rebuild it.
 A task revoked or expired while it runs cancels its request and ends REVOKED, as Celery ends a
-task revoked before it starts.
+task revoked before it starts. Tasks are acknowledged late: one whose front-door worker died is
+redelivered, and runs as a follower of its request (the task id is the request id), not twice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 GENERATE_TASK = "celerytp.generate"
 ABANDON_POLL_S = 0.2  # how often a running task looks for its own revocation or expiry
+FRONT_DOOR_VISIBILITY_S = 300
 
 
 def requests_queue(group: str) -> str:
@@ -57,9 +59,11 @@ def run_request(service: Service, kwargs: dict[str, Any], request_id: str | None
 def register_generate(app: Celery, service: Callable[[], Service]) -> None:
     """Add the `celerytp.generate` task to `app`; `service` gives the Service to run it on."""
 
-    @app.task(name=GENERATE_TASK, bind=True)
+    # Acknowledged when done: a front door that dies mid-request has its task redelivered, and the
+    # redelivered task follows the request its task id names instead of running it again.
+    @app.task(name=GENERATE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True)
     def generate(task: Task, **kwargs: Any) -> dict[str, Any]:
-        svc, request_id, done, why = service(), uuid.uuid4().hex, threading.Event(), []
+        svc, request_id, done, why = service(), _request_id(task.request.id), threading.Event(), []
         watch = threading.Thread(
             target=cancel_when_abandoned, args=(svc, request_id, task.request.id, task.request.expires, done, why),
             daemon=True,
@@ -97,6 +101,13 @@ def cancel_when_abandoned(
             return
 
 
+def _request_id(task_id: str | None) -> str:
+    """The request id of a task: its task id when that is one (so a redelivery finds its request)."""
+    if task_id and len(task_id) <= 64 and all(c.isalnum() or c in "-_" for c in task_id):
+        return task_id
+    return uuid.uuid4().hex
+
+
 def _as_datetime(value: Any) -> datetime | None:
     if isinstance(value, str):
         value = datetime.fromisoformat(value)
@@ -111,6 +122,9 @@ def make_frontend_app(broker_url: str, group: str, world_size: int) -> Celery:
     app = make_app(broker_url, group, world_size, main="celerytp")
     app.conf.task_queues = [*app.conf.task_queues, Queue(requests_queue(group), routing_key=requests_queue(group))]
     app.conf.task_routes = {GENERATE_TASK: {"queue": requests_queue(group)}}
+    # An unacknowledged task of a front door that died comes back after this; one still running
+    # that comes back meanwhile only follows its request a second time.
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "visibility_timeout": FRONT_DOOR_VISIBILITY_S}
     lock, made = threading.Lock(), []
 
     def service() -> Service:

@@ -269,7 +269,8 @@ def top_logprobs(body: SamplingFields) -> int:
 
 def model_card(model_id: str, record: dict) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "celerytp",
-            "max_context": record.get("max_context"), "max_batch": record.get("max_batch")}
+            "max_context": record.get("max_context"), "max_batch": record.get("max_batch"),
+            "replicas": sorted(record.get("replicas", {}))}  # the groups serving it behind its one queue
 
 
 class Shape:

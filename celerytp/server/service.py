@@ -8,7 +8,10 @@ from typing import Any
 
 from celerytp.client.generation import GenerationResult, TokenStream
 from celerytp.client.leader import Leader
+from celerytp.client.registry import replicas
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.liveness import read_owners
+from celerytp.core.redis_client import broker_errors
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.server.metrics import Metrics, RankState
 
@@ -44,17 +47,24 @@ class Service:
         return self.leader.models()
 
     def loaded(self) -> dict[str, dict]:
-        """The model records every rank confirms it holds now (a record left by workers that
-        restarted is not listed); when some rank cannot answer, the records as they are."""
+        """The model records of every served model, each with its `replicas`; a model this group
+        serves is listed only when every rank here confirms it holds it now (a record left by
+        workers that restarted is not); when some rank cannot answer, the records as they are."""
         records = self.models()
         held = held_by_ranks(self.leader)
         if len(held) < self.leader.world_size:
             return records
-        return {model: record for model, record in records.items() if all(model in h for h in held.values())}
+        return {model: record for model, record in records.items()
+                if self.leader.group not in record["replicas"] or all(model in h for h in held.values())}
 
     def resolve(self, name: str | None) -> str:
-        """The model id a request names (or the one model served, when it names none)."""
+        """The model id a request names (or the one model served, when it names none). A name
+        the registry lacks is looked for once more after rebuilding the registry from the ranks
+        (Redis may have restarted without its data)."""
         models = self.models()
+        if (name is None and not models) or (name is not None and name not in models):
+            self.leader.rebuild_registry()
+            models = self.models()
         if name is None:
             if len(models) != 1:
                 raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'model': required; loaded: {sorted(models)}")
@@ -67,15 +77,23 @@ class Service:
         """Token ids -> text with the model's tokenizer (cached per path)."""
         return load_tokenizer(self.models()[model_id]["path"]).decode
 
-    def require_ranks(self) -> None:
-        """Refuse at once (rank_lost, naming the ranks) when a rank has no live worker: its
-        request would otherwise wait for a serving loop that cannot run."""
-        dead = [rank for rank, beat in enumerate(self.leader.health()) if beat is None]
+    @broker_errors
+    def require_ranks(self, model_id: str) -> None:
+        """Refuse at once (rank_lost, naming the ranks) when every group serving the model has a
+        rank with no live worker: its request would otherwise wait for a loop that cannot run.
+        One whole replica is enough."""
+        dead = {}
+        for group, world_size in sorted(replicas(self.leader.redis, model_id).items()):
+            missing = [rank for rank, owner in enumerate(read_owners(self.leader.redis, group, world_size)) if owner is None]
+            if not missing:
+                return
+            dead[group] = missing
         if dead:
-            raise CeleryTPError(ErrorKind.RANK_LOST, f"no live worker holds rank(s) {dead} of group {self.leader.group!r}")
+            named = "; ".join(f"rank(s) {ranks} of group {group!r}" for group, ranks in dead.items())
+            raise CeleryTPError(ErrorKind.RANK_LOST, f"no live worker holds {named}")
 
     def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
-        self.require_ranks()
+        self.require_ranks(model_id)
         try:
             result = self.leader.generate(model_id, **options)
         except CeleryTPError as exc:
@@ -86,7 +104,7 @@ class Service:
         return result
 
     def stream(self, model_id: str, options: dict[str, Any]) -> TokenStream:
-        self.require_ranks()
+        self.require_ranks(model_id)
         return self.leader.stream(model_id, **options)
 
     def count(self, model_id: str, result: GenerationResult) -> None:

@@ -10,6 +10,7 @@ import redis
 from celery.signals import worker_shutting_down
 
 from celerytp.core.app import make_app, queue_name
+from celerytp.core.redis_client import connect
 from celerytp.core.remote_status import provide_status
 from celerytp.core.secrets import mask_logged_secrets, mask_secrets
 from celerytp.worker import exits
@@ -23,7 +24,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     """Run the rank worker until it is told to stop; returns the exit code (worker/exits.py)."""
     logging.basicConfig(level=loglevel, format=f"[rank {config.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     mask_logged_secrets()
-    client = redis.Redis.from_url(config.broker_url)
+    client = connect(config.broker_url, window_s=1.0)  # the heartbeat: a beat late is a beat missed
     lease = RankLease(client, config.group, config.rank, config.device)
     try:
         claim_rank(lease, config)

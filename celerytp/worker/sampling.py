@@ -51,6 +51,13 @@ class RowSampler:
             presence[torch.tensor(list(history), dtype=torch.long)] = True
         return cls(params, make_generator(params.seed), presence)
 
+    def skip(self, draws: int) -> None:
+        """Advance the generator past `draws` tokens sampled earlier (one uniform draw each, as in
+        sample_rows), so a resumed request samples what an uninterrupted run would."""
+        if self.generator is not None and not self.params.greedy:
+            for _ in range(draws):
+                torch.rand(1, generator=self.generator)
+
     def saw(self, token: int) -> None:
         if self.presence is not None:
             self.presence[token] = True

@@ -2,9 +2,10 @@
 (worker/request_source.py).
 
 Rank 0's own setup is guarded and agreed on the control group before the loop starts.
-Whatever makes the op fail is answered to every request the loop held (`serve`) and to every
-request still queued (`refuse_queued`, run for any failure of the op), so no requester waits
-for a loop that will not come.
+Whatever makes the loop fail, the requests it held go back to the head of the model's queue
+(`serve`), to resume on this group once healed or on another replica; when no group is left to
+serve the model, the queued requests are answered with the error (`refuse_queued`), so no
+requester waits for a loop that will not come.
 """
 
 from __future__ import annotations
@@ -39,27 +40,36 @@ def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
     started = time.perf_counter()
     try:
         stats = state.run_model(loop.run)
-    except CeleryTPError as exc:
+    except CeleryTPError:
         entry.forget_all()  # a forward may have stopped half way: no row's cache is trusted
         if source is not None:
-            loop.flush()
-            source.fail(loop.running_requests(), exc)
+            try:  # what the last step made reaches its clients, so a resumed request goes on after it
+                loop.flush()
+            except Exception as exc:
+                log.warning("could not deliver the last step of %s: %s", request.model_id, exc)
         raise
+    else:
+        if source is not None:
+            source.ended_well()
     finally:
         if source is not None:
-            source.release()
+            try:  # whatever the loop still holds goes back to the queue, for this group healed or a replica
+                source.release()
+            except Exception as exc:
+                log.warning("could not requeue the requests of %s (they go back when the lease lapses): %s",
+                            request.model_id, exc)
     return p.ServeResult(
         rank=state.rank, model_id=request.model_id, total_s=time.perf_counter() - started, **stats
     )
 
 
 def refuse_queued(state: RankState, request: p.Request, error: CeleryTPError) -> None:
-    """A serve op refused before its loop ran: rank 0 answers the queued requests with the error."""
+    """A serve op failed: rank 0 gives back what it held and, when no group is left to serve the
+    model, answers the queued requests with the error (see RedisRequestSource.refuse)."""
     if state.rank != 0 or not isinstance(request, p.ServeRequest):
         return
     source = RedisRequestSource(state.redis, state.config.group, request.model_id, request.loop_id)
     try:
-        source.fail_queued(error)
-        source.release()
+        source.refuse(error)
     except redis.RedisError as exc:
         log.warning("could not answer the queued requests of %s: %s", request.model_id, exc)

@@ -41,6 +41,10 @@ class Sequence:
     row: int
     reused: int  # prompt tokens the row already held
     fed: int  # prompt tokens in the cache so far
+    # A resumed request's tokens from its earlier attempt, fed back one decode step at a time
+    # as that attempt decoded them (a prefill would round differently and could change a
+    # later greedy token); rank 0 samples again once they are in.
+    forced: list[int] = field(default_factory=list)
     next_token: int = -1  # decoded next (after the prompt is in)
     # rank 0 only
     sampler: RowSampler | None = None
@@ -68,7 +72,7 @@ class Finished:
 class Events:
     """What rank 0 tells requesters after a step: streamed tokens and finished requests."""
 
-    tokens: list[tuple[GenSpec, int]] = field(default_factory=list)
+    tokens: list[tuple[GenSpec, int, int]] = field(default_factory=list)  # (request, token, its index)
     finished: list[tuple[GenSpec, Finished]] = field(default_factory=list)
 
 
@@ -225,8 +229,8 @@ class ServingLoop:
 
     def _check(self, spec: GenSpec) -> None:
         """What a rank must refuse before a request enters a row (the leader checked it too)."""
-        check_tokens(spec.prompt, max_context=self.model.max_context, vocab_size=self.model.config.vocab_size,
-                     field="prompt")
+        check_tokens([*spec.prompt, *spec.resumed], max_context=self.model.max_context,
+                     vocab_size=self.model.config.vocab_size, field="prompt")
         sampling_params(spec.sampling)
         if spec.stop and self.decode is None:
             raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
@@ -271,7 +275,7 @@ class ServingLoop:
         for spec, row, reused in plan.admissions:
             self.model.truncate(row, reused)
             self.row_tokens[row] = list(spec.prompt[:reused])
-            seq = Sequence(spec, row, reused, reused)
+            seq = Sequence(spec, row, reused, reused, forced=list(spec.resumed))
             if self.is_sampler:
                 self._start(seq)
             self.running[row] = seq
@@ -281,10 +285,13 @@ class ServingLoop:
 
     def _start(self, seq: Sequence) -> None:
         spec = seq.spec
-        seq.sampler = RowSampler.create(sampling_params(spec.sampling), self.model.config.vocab_size, spec.prompt)
+        seq.sampler = RowSampler.create(sampling_params(spec.sampling), self.model.config.vocab_size,
+                                        [*spec.prompt, *spec.resumed])
+        seq.sampler.skip(len(spec.resumed))  # a resumed seeded request draws on where it left off
         seq.checker = StopChecker(
             set(spec.eos_token_ids), spec.max_tokens, len(spec.prompt), self.model.max_context, spec.stop, self.decode
         )
+        seq.checker.token_ids = list(spec.resumed)
         seq.admitted_at = time.perf_counter()
         seq.queued_s = max(0.0, time.time() - spec.submitted_at) if spec.submitted_at else 0.0
         seq.logprobs = [] if seq.sampler.params.logprobs else None
@@ -339,6 +346,13 @@ class ServingLoop:
     # ---- rank 0: sampling and stopping ---------------------------------------------------
 
     def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
+        replaying = [(seq, row_logits) for seq, row_logits in sampled if seq.forced]
+        for seq, row_logits in replaying:  # a resumed row feeds its earlier tokens (delivered and counted already)
+            token = seq.forced.pop(0)
+            self._news[seq.row] = (FEED, token)
+            if seq.logprobs is not None:
+                seq.logprobs.append((token_logprob(row_logits, token), top_logprobs(row_logits, seq.sampler.params.logprobs)))
+        sampled = [(seq, logits) for seq, logits in sampled if not any(seq is r for r, _ in replaying)]
         if not sampled:
             return
         seqs = [seq for seq, _ in sampled]
@@ -352,7 +366,7 @@ class ServingLoop:
                 seq.logprobs.append((token_logprob(row_logits, token), top_logprobs(row_logits, seq.sampler.params.logprobs)))
             reason = seq.checker.after(token)
             if seq.spec.stream and token not in seq.checker.eos_ids:
-                self._events.tokens.append((seq.spec, token))
+                self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1))
             if reason is None:
                 self._news[seq.row] = (FEED, token)
             else:
@@ -391,7 +405,7 @@ class ListSource:
         return bool(self.queue)
 
     def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
-        for spec, token in events.tokens:
+        for spec, token, _ in events.tokens:
             self.tokens.setdefault(spec.request_id, []).append(token)
         self.results.update((spec.request_id, finished) for spec, finished in events.finished)
         return set()

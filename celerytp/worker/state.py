@@ -16,6 +16,7 @@ import torch.distributed as dist
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import broken_key, rendezvous_prefix
 from celerytp.core.liveness import read_owners
+from celerytp.core.redis_client import connect
 from celerytp.distributed import control, shm
 from celerytp.distributed.control import CollectiveFailed, ControlGroup
 from celerytp.distributed.store import RedisStore
@@ -56,7 +57,7 @@ class RankState:
         self.config = config
         self.rank = config.rank
         self.world_size = config.world_size
-        self.redis = redis.Redis.from_url(config.broker_url)
+        self.redis = connect(config.broker_url)  # rank 0 rides out a Redis restart mid-loop
         self.comm_id: str | None = None
         self.group_broken: str | None = None
         self.epoch = ""
