@@ -222,8 +222,8 @@ class Leader:
     def unload(self, model_id: str, everywhere: bool = False) -> list[p.Unloaded]:
         """Free the model on every rank of this group (`everywhere`: of every group serving it;
         the replies of every group, in group order)."""
-        if everywhere:
-            groups = sorted(replicas(self.redis, model_id).items())
+        groups = sorted(replicas(self.redis, model_id).items()) if everywhere else []
+        if groups:
             return [reply for group, size in groups for reply in self._peer(group, size).unload(model_id)]
         try:
             return self.call("unload", {"model_id": model_id})

@@ -163,18 +163,20 @@ class RequestQueues:
     def _ensure_taken(self, model_id: str, request_id: str, item: str) -> bool:
         """Make sure a loop will take the request: give back what dead groups held, start loops, heal
         a replica when no loop runs anywhere. False: the request is nowhere (Redis lost it)."""
-        groups = [g.decode() for g in self._redis.hkeys(replicas_key(model_id))]
-        keys = [queue_key(model_id)]
-        for group in groups:
-            keys += [inflight_key(group, model_id), loop_key(group, model_id)]
         pipe = self._redis.pipeline(transaction=False)
-        self._reclaim(keys=keys, client=pipe)
+        pipe.hkeys(replicas_key(model_id))
         pipe.lpos(queue_key(model_id), item)
         pipe.exists(request_key(request_id), stream_key(request_id))
-        if groups:
-            pipe.mget([loop_key(g, model_id) for g in groups])
-        _, queued, known, *flags = pipe.execute()
-        if queued is not None and not any(flags[0] if flags else []):
+        groups, queued, known = pipe.execute()
+        groups = [g.decode() for g in groups]
+        flags = self._redis.mget([loop_key(g, model_id) for g in groups]) if groups else []
+        if not all(flags):  # a group with no loop may have died holding requests: give them back
+            keys = [queue_key(model_id)]
+            for group in groups:
+                keys += [inflight_key(group, model_id), loop_key(group, model_id)]
+            if self._reclaim(keys=keys):
+                queued = self._redis.lpos(queue_key(model_id), item)
+        if queued is not None and not any(flags):
             self._serve(model_id, True)  # may heal: this waiter waits anyway
         return queued is not None or known > 0
 

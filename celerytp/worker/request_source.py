@@ -194,6 +194,8 @@ class RedisRequestSource:
         while (left := deadline - time.monotonic()) > 0:
             if self.yield_wanted():
                 return False
+            if time.monotonic() - self._reclaimed > RECLAIM_S:  # an idle replica takes over a dead one's requests
+                self.reclaim_lapsed()
             if not self._renew_lease():
                 raise LeaseLost(self._model_id)
             item = self._redis.blmove(self._queue, self._inflight, min(BLOCK_S, left), "LEFT", "RIGHT")
@@ -208,9 +210,10 @@ class RedisRequestSource:
     # ---- answering --------------------------------------------------------------------
 
     def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
-        """Deliver `events` and renew the lease in one transaction: a request's result and its
-        leaving the in-flight list happen together. Raises LeaseLost when the flag is not ours."""
-        pipe = self._redis.pipeline(transaction=True)
+        """Deliver `events` and renew the lease in one round trip; raises LeaseLost when the flag is
+        not ours. A request's result goes before its leaving the in-flight list: a rank 0 that
+        dies between them leaves an answered request, which the next taker drops (`take`)."""
+        pipe = self._redis.pipeline(transaction=False)
         for spec, token, index in events.tokens:
             pipe.xadd(stream_key(spec.request_id), StreamRecord.of_token(token, index).to_fields())
         for spec, finished in events.finished:
@@ -222,7 +225,7 @@ class RedisRequestSource:
         if stats:
             pipe.hset(self._stats, mapping=stats)
             pipe.expire(self._stats, 3600)
-        if self._leased:  # no script here: redis-py checks a pipeline's scripts with one more round trip
+        if self._leased:  # no script here: redis-py checks a pipeline's scripts with one more command
             pipe.get(self._flag)
             pipe.pexpire(self._flag, LOOP_TTL_S * 1000)  # someone else's flag (we lost it) is only extended
         if running:
