@@ -24,7 +24,9 @@ PROMPTS = [f"Story {i}: once upon a time," for i in range(8)]
 
 @pytest.fixture(scope="module")
 def replicas():
-    with LocalCluster(world_size=1, group="ra") as a, LocalCluster(world_size=1, group="rb", broker_url=a.broker_url) as b:
+    # One torch thread each: two ranks with every core on 2 cores spin on each other many times slower.
+    with LocalCluster(world_size=1, group="ra", threads=1) as a, \
+            LocalCluster(world_size=1, group="rb", threads=1, broker_url=a.broker_url) as b:
         for cluster in (a, b):
             cluster.leader.load("smol", None, quant="f32", max_batch=2, idle_s=5)  # f32: greedy text independent of the batch
         yield a, b
