@@ -1,7 +1,8 @@
 """Multi-host without a second machine: Redis and the leader in one network namespace, both rank
 workers in another, joined by a veth pair. Rendezvous, the result backend, token streaming and
-the heartbeats all cross the link: nothing may assume localhost. Skips where namespaces cannot
-be created (not root, no `ip`)."""
+the heartbeats all cross the link: nothing may assume localhost. A second group (one rank, in
+Redis's namespace) serves the same model as a replica from the same queue: both hosts take work.
+Skips where namespaces cannot be created (not root, no `ip`)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,22 @@ LEADER = textwrap.dedent(
             assert time.monotonic() < deadline, "ranks never answered"
     init = leader.init()
     sums = [s.observed_sum for s in leader.sanity_check()]
-    leader.load("smol", None, max_batch=2)
+    leader.load("smol", None, max_batch=2, idle_s=30)
     whole = leader.generate("smol", prompt="The capital of France is", max_tokens=6, temperature=0)
     stream = leader.stream("smol", prompt="The capital of France is", max_tokens=6, temperature=0)
     streamed = "".join(stream)
+    # A replica on the other host: group "replica" (one rank, beside Redis) serves the same model
+    # from the same queue; streams sent through the first group's leader run on both.
+    replica = Leader(sys.argv[1], "replica", 1)
+    replica.init()
+    replica.load("smol", None, max_batch=2, idle_s=30)  # idle_s: one loop per group counts the whole run
+    before = [leader.serving_stats("smol").get("requests", 0), replica.serving_stats("smol").get("requests", 0)]
+    streams = [leader.stream("smol", prompt=f"Story {i}:", max_tokens=8, temperature=0) for i in range(6)]
+    texts = ["".join(s) for s in streams]
+    after = [leader.serving_stats("smol").get("requests", 0), replica.serving_stats("smol").get("requests", 0)]
     print(json.dumps({"backend": init[0].backend, "sums": sums, "hosts": [h["host"] for h in leader.health()],
-                      "text": whole.text, "streamed": streamed}))
+                      "text": whole.text, "streamed": streamed, "replicas": sorted(leader.models()["smol"]["replicas"]),
+                      "took": [a - b for a, b in zip(after, before)], "texts": texts}))
     """
 )
 
@@ -92,6 +103,12 @@ def test_ranks_and_redis_on_two_hosts(namespaces, tmp_path):
                  "--world-size", "2", "--group", "netns", "--device", "cpu", "--threads", "1"],
                 env=env, stdout=log, stderr=subprocess.STDOUT,
             ))
+        log = open(tmp_path / "replica.log", "wb")
+        procs.append(subprocess.Popen(  # the replica group's rank, on the Redis host
+            ["ip", "netns", "exec", redis_ns, sys.executable, "-m", "celerytp", "worker", "--rank", "0",
+             "--world-size", "1", "--group", "replica", "--device", "cpu", "--threads", "1"],
+            env={**os.environ, "CELERYTP_BROKER": URL}, stdout=log, stderr=subprocess.STDOUT,
+        ))
         time.sleep(0.5)
         run = subprocess.run(
             ["ip", "netns", "exec", redis_ns, sys.executable, "-c", LEADER, URL],
@@ -102,6 +119,8 @@ def test_ranks_and_redis_on_two_hosts(namespaces, tmp_path):
         outcome = json.loads(run.stdout.strip().splitlines()[-1])
         assert outcome["backend"] == "gloo" and outcome["sums"] == [2, 2]
         assert outcome["text"] and outcome["streamed"] == outcome["text"]
+        assert outcome["replicas"] == ["netns", "replica"] and all(outcome["took"]), outcome  # both hosts took work
+        assert all(outcome["texts"]), outcome
         assert PASSWORD not in logs
     finally:
         for proc in procs:
