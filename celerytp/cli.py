@@ -240,6 +240,7 @@ def _models(args: argparse.Namespace) -> int:
     if args.action == "load":
         path = model_path(args.model)
         model_id = args.model_id or Path(path).stem
+        leader.ensure_formed()  # a new group (a replica's) forms here; a live one is used as it is
         leader.load(model_id, path, quant=checked_quant(args.quant), max_batch=args.max_batch,
                     max_context=args.max_context, progress=True)
         print(f"loaded {model_id}")
