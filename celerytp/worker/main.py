@@ -24,7 +24,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     """Run the rank worker until it is told to stop; returns the exit code (worker/exits.py)."""
     logging.basicConfig(level=loglevel, format=f"[rank {config.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     mask_logged_secrets()
-    client = connect(config.broker_url, window_s=1.0)  # the heartbeat: a beat late is a beat missed
+    client = connect(config.broker_url, window_s=0)  # claim_rank and the heartbeat retry (and log) themselves
     lease = RankLease(client, config.group, config.rank, config.device)
     try:
         claim_rank(lease, config)
