@@ -67,17 +67,8 @@ class RankWatch:
         self._redis = client
         self._group = group
         self.expected = list(expected)
-        self._timing = timing
         self._grace = timing.missing_grace_s
         self._missing_since: dict[int, float] = {}
-
-    def lost_soon(self) -> dict[int, str]:
-        """`lost`, waiting as long as a just-killed worker's heartbeat can outlive it: to name the
-        rank behind a failure that another rank reported (a collective that broke)."""
-        deadline = time.monotonic() + self._timing.ttl_s + self._grace + 0.5
-        while not (lost := self.lost()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return lost
 
     def lost(self, ranks: list[int] | None = None) -> dict[int, str]:
         """rank -> why it is lost, for the watched ranks (all by default); {} when all live.
