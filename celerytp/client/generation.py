@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from celerytp.client.requests import Done, PendingRequest
+from celerytp.core.detokenize import IncrementalText
 from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_message
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.stopping import StopChecker, cut_at_stop
@@ -183,22 +184,20 @@ class TokenStream:
         self._events: Iterator | None = None  # the request's events once iteration began
 
     def __iter__(self) -> Iterator[str]:
-        ids, sent = [], ""
+        text = StreamText(self._prepared.tokenizer.decode, self._prepared.stops)
         self._events = events = self._pending.events(self._timeout)
         try:
             for event in events:
                 if isinstance(event, Done):
                     self.result = finish(self._prepared, event.result, "fused")
                     break
-                ids.append(event.id)
                 self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
-                delta = self._safe_text(ids)[len(sent):]
+                delta = text.feed(event.id)
                 if delta:
-                    sent += delta
                     yield delta
         finally:
             events.close()  # left early (break, close, garbage): the request is cancelled
-        rest = self.result.text[len(sent):]
+        rest = self.result.text[text.sent:]
         if rest:
             yield rest
 
@@ -215,11 +214,34 @@ class TokenStream:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _safe_text(self, ids: list[int]) -> str:
-        text, _ = cut_at_stop(self._prepared.tokenizer.decode(ids), self._prepared.stops)
-        text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to U+FFFD
-        held = max(
-            (n for stop in self._prepared.stops for n in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:n])),
-            default=0,
-        )
-        return text[: len(text) - held]
+
+class StreamText:
+    """The text a stream may send as tokens arrive, decoded incrementally.
+
+    After each token the text sent so far is `decode(ids)` cut at the earliest stop string, less a
+    trailing incomplete UTF-8 sequence and less any ending that could be the start of a stop string.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.stops = stops
+        self.sent = 0  # characters of the text sent
+        self._text = IncrementalText(decode)
+        self._reach = max(map(len, stops), default=1) - 1  # how far back a stop string can begin
+        self._cut: int | None = None  # where the earliest stop string found begins
+        # The stops' proper prefixes, longest first: text ending in one may yet become a stop string.
+        self._prefixes = sorted({stop[:n] for stop in stops for n in range(1, len(stop))}, key=len, reverse=True)
+
+    def feed(self, token_id: int) -> str:
+        """Record a token; return the text to send now (may be "")."""
+        before = len(self._text.text)
+        if not self._text.feed(token_id):
+            return ""
+        text = self._text.text
+        found, stop = cut_at_stop(text, self.stops, max(0, before - self._reach))
+        if stop is not None and (self._cut is None or len(found) < self._cut):
+            self._cut = len(found)
+        end = len(text) if self._cut is None else self._cut
+        end -= next((len(prefix) for prefix in self._prefixes if text.endswith(prefix, 0, end)), 0)
+        delta = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return delta
