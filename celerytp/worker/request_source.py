@@ -34,6 +34,7 @@ from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.redis_scripts import EXIT_IF_IDLE, GIVE_BACK, RECLAIM, RELEASE_IF_HOLDER, RENEW_IF_HOLDER, TAKE
 from celerytp.core.safe_transport import DEAD_LETTER_MAX, dead_letter_key
 from celerytp.core.stream_record import StreamRecord
+from celerytp.worker.publisher import Publisher
 from celerytp.worker.serving import Events, Finished
 
 log = logging.getLogger(__name__)
@@ -79,20 +80,31 @@ class RedisRequestSource:
         self._reclaimed = 0.0
         self._yield = False
         self._leased = False  # between start and release: every publish renews the lease
+        self._queued: int | None = None  # the queue's length at the last write (None: unknown)
+        self._publisher: Publisher[tuple[Events, list[str], dict[str, int]]] | None = None
 
     def start(self) -> None:
-        """Hold the flag, and give back what a dead earlier loop of this group left in flight."""
+        """Hold the flag, give back what a dead earlier loop of this group left in flight, and
+        start the publisher thread (worker/publisher.py) that writes the steps' events."""
         pipe = self._redis.pipeline()
         pipe.set(self._flag, self._loop_id, ex=LOOP_TTL_S)
         self._give_back(keys=[self._inflight, self._queue], client=pipe)
         pipe.execute()
         self._leased = True
+        self._publisher = Publisher(self._write, name=f"publisher-{self._model_id}")
 
     def release(self) -> None:
-        """Give back whatever this loop still holds, then free the flag."""
+        """Write what the loop made, give back whatever it still holds, then free the flag."""
+        self._stop_publisher()
         self._leased = False
         self.give_back()
         self._redis.eval(RELEASE_IF_HOLDER, 1, self._flag, self._loop_id)
+
+    def _stop_publisher(self) -> None:
+        if self._publisher is not None:
+            failure, self._publisher = self._publisher.close(), None
+            if failure is not None:  # those tokens are not in their streams: a resumed request redoes them
+                log.warning("the last events of %s were not written: %s", self._model_id, failure)
 
     def give_back(self) -> int:
         """Every request this group holds goes back to the head of the queue (the loop failed)."""
@@ -106,8 +118,9 @@ class RedisRequestSource:
         if time.monotonic() - self._reclaimed > RECLAIM_S:
             self.reclaim_lapsed()
         raw, self._stash = self._stash[:count], self._stash[count:]
-        if len(raw) < count:
+        if len(raw) < count and self._queued != 0:  # the last write saw an empty queue: no round trip
             raw += self._take(keys=[self._queue, self._inflight], args=[count - len(raw)])
+            self._queued = None
         specs = [spec for item in raw if (spec := self._parse(item)) is not None]
         if not specs:
             return []
@@ -138,7 +151,7 @@ class RedisRequestSource:
                 runnable.append(spec)
         record.execute()
         if answers.finished:
-            self.publish(answers, [], {})
+            self._publish_now(answers, [], {})
         return runnable
 
     def _exhausted(self, request_id: str, tried: list[str]) -> CeleryTPError:
@@ -201,6 +214,7 @@ class RedisRequestSource:
             item = self._redis.blmove(self._queue, self._inflight, min(BLOCK_S, left), "LEFT", "RIGHT")
             if item is not None:
                 self._stash.append(item)
+                self._queued = None  # more may have come with it
                 return True
         return False
 
@@ -210,9 +224,24 @@ class RedisRequestSource:
     # ---- answering --------------------------------------------------------------------
 
     def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
-        """Deliver `events` and renew the lease in one round trip; raises LeaseLost when the flag is
-        not ours. A request's result goes before its leaving the in-flight list: a rank 0 that
-        dies between them leaves an answered request, which the next taker drops (`take`)."""
+        """Hand `events` to the publisher thread; the `running` ids its last write found cancelled.
+        A failed write (Redis gone, LeaseLost) is raised here at the next step."""
+        if self._publisher is None:
+            return self._publish_now(events, running, stats)
+        cancelled = self._publisher.submit((events, running, stats))
+        return cancelled.intersection(running)
+
+    def _write(self, batches: list[tuple[Events, list[str], dict[str, int]]]) -> set[str]:
+        """The publisher thread's write: every waiting step's events in one round trip."""
+        events = Events([t for e, _, _ in batches for t in e.tokens], [f for e, _, _ in batches for f in e.finished])
+        stats = next((s for _, _, s in reversed(batches) if s), {})
+        return self._publish_now(events, batches[-1][1], stats)
+
+    def _publish_now(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
+        """Deliver `events`, renew the lease and read the queue's length in one round trip; raises
+        LeaseLost when the flag is not ours. A request's result goes before its leaving the
+        in-flight list: a rank 0 that dies between them leaves an answered request, which the next
+        taker drops (`take`)."""
         pipe = self._redis.pipeline(transaction=False)
         for spec, token, index in events.tokens:
             pipe.xadd(stream_key(spec.request_id), StreamRecord.of_token(token, index).to_fields())
@@ -230,7 +259,8 @@ class RedisRequestSource:
             pipe.pexpire(self._flag, LOOP_TTL_S * 1000)  # someone else's flag (we lost it) is only extended
         if running:
             pipe.mget([cancel_key(rid) for rid in running])
-        results = pipe.execute() if len(pipe) else []
+        pipe.llen(self._queue)
+        *results, self._queued = pipe.execute()
         if self._leased and results[-3 if running else -2] != self._loop_id.encode():
             raise LeaseLost(self._model_id)
         if not running:
@@ -253,6 +283,8 @@ class RedisRequestSource:
         return self._yield
 
     def try_exit(self) -> bool:
+        if self._publisher is not None:
+            self._publisher.drain()  # written under the lease, before the flag goes
         if not self._exit(keys=[self._queue, self._flag], args=[self._loop_id]):
             return False
         self._leased = False  # the flag is gone: what is left to deliver needs no lease
@@ -261,7 +293,7 @@ class RedisRequestSource:
     def fail(self, specs: list[GenSpec], error: CeleryTPError) -> None:
         """Answer `specs` with `error`."""
         if specs:
-            self.publish(Events(finished=[(s, Finished(error=error)) for s in specs]), [], {})
+            self._publish_now(Events(finished=[(s, Finished(error=error)) for s in specs]), [], {})
 
     def ended_well(self) -> None:
         self._redis.hdel(loop_failures_key(self._model_id), self._group)
