@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from celerytp.core.step_clock import timed
 from celerytp.distributed import shm
 from celerytp.distributed.control import checked
 
@@ -55,9 +56,9 @@ class TPContext:
             self._check(tensor)
             fast = self._shm(tensor)
             if fast is not None:
-                checked(lambda: fast.all_reduce(tensor))
+                timed("collectives", lambda: checked(lambda: fast.all_reduce(tensor)))
             else:
-                checked(lambda: dist.all_reduce(tensor, group=self.group))
+                timed("collectives", lambda: checked(lambda: dist.all_reduce(tensor, group=self.group)))
         return tensor
 
     def gather_last_dim(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -73,10 +74,10 @@ class TPContext:
         self._check(padded)
         fast = self._shm(padded)
         if fast is not None:
-            parts = list(checked(lambda: fast.all_gather(padded)))
+            parts = list(timed("collectives", lambda: checked(lambda: fast.all_gather(padded))))
         else:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-            checked(lambda: dist.all_gather(parts, padded, group=self.group))
+            timed("collectives", lambda: checked(lambda: dist.all_gather(parts, padded, group=self.group)))
         return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
 
     def _check(self, tensor: torch.Tensor) -> None:
