@@ -13,8 +13,16 @@ from celerytp.worker.sampling import (
     RowSampler,
     apply_repetition_penalty,
     candidate_probs,
+    CANDIDATES,
+    SLICE_DRAW,
+    WHOLE,
+    draw_in_slice,
     make_generator,
+    pick_slices,
+    sample_candidates,
     sample_rows,
+    slice_mode,
+    slice_uniforms,
     token_logprob,
     top_logprobs,
 )
@@ -142,6 +150,81 @@ def test_temperature_sharpens_and_flattens() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     cold, warm, hot = (batched_probs(logits, [SamplingParams(temperature=t)])[0, 0] for t in (0.5, 1.0, 2.0))
     assert cold > warm > hot
+
+
+def test_sampling_from_top_candidates_draws_what_the_whole_logits_give() -> None:
+    """The serving loop samples greedy and top-k rows from each row's top candidates (the ranks
+    send those, not their vocabulary slices): same tokens as from the whole logits, seed for seed."""
+    torch.manual_seed(5)
+    logits = torch.randn(6, 500) * 3
+    logits[0, [17, 300]] = 50.0  # a tie: the lower id wins, as argmax has it
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, seed=1),
+              SamplingParams(temperature=1.3, top_k=5, top_p=0.7, seed=2), SamplingParams(top_k=3),
+              SamplingParams(temperature=0.5, top_k=64, seed=3, logprobs=5), SamplingParams(temperature=2.0, top_k=1, seed=4)]
+    assert all(slice_mode(p) == CANDIDATES for p in params)
+    stable = torch.sort(-logits, stable=True)  # largest first, ties by lower id
+    values, ids = -stable.values[:, :64], stable.indices[:, :64]
+    for draw in range(20):
+        whole = [RowSampler.create(p, 500) for p in params]
+        top = [RowSampler.create(p, 500) for p in params]
+        for a, b in zip(whole, top):
+            if a.generator is not None:
+                a.generator.manual_seed(draw)
+                b.generator.manual_seed(draw)
+        assert sample_candidates(values, ids, top) == sample_rows(logits, whole)
+    assert sample_candidates(values, ids, [RowSampler.create(SamplingParams(), 500)] * 6)[0] == 17
+
+
+@pytest.mark.parametrize(("params", "replayed", "mode"), [
+    (SamplingParams(), False, CANDIDATES),
+    (SamplingParams(temperature=0.7, top_k=50), False, CANDIDATES),
+    (SamplingParams(temperature=1.0), False, SLICE_DRAW),  # over the whole vocabulary
+    (SamplingParams(temperature=1.0, top_k=TOP_P_PREFILTER + 1), False, SLICE_DRAW),
+    (SamplingParams(temperature=1.0, top_p=0.9), False, WHOLE),  # a nucleus may reach past the candidates
+    (SamplingParams(repetition_penalty=1.1), False, WHOLE),
+    (SamplingParams(logprobs=2), True, WHOLE),  # a replayed token's log-probability
+    (SamplingParams(logprobs=2), False, CANDIDATES),
+])
+def test_how_each_row_is_sampled_from_vocabulary_slices(params: SamplingParams, replayed: bool, mode: str) -> None:
+    assert slice_mode(params, replayed) == mode
+
+
+def _draw_over_slices(logits: torch.Tensor, temperature: float, ranks: int, rows: list[RowSampler], index: int) -> list[int]:
+    """What the serving loop does for SLICE_DRAW rows: every rank draws in its slice, rank 0 keeps one."""
+    bounds = torch.linspace(0, logits.shape[1], ranks + 1).long().tolist()
+    per_rank = []
+    for rank, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        u = slice_uniforms([(row.params.seed, index) for row in rows], rank)
+        per_rank.append(draw_in_slice(logits[:, start:end], torch.full((len(rows),), temperature), u, start))
+    draws = torch.stack(per_rank, 1)  # (S, N, 3)
+    kept = pick_slices(draws[..., 0], rows)
+    return [int(draws[i, r, 1]) for i, r in enumerate(kept)]
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_drawing_in_slices_samples_the_whole_vocabulary_distribution(ranks: int) -> None:
+    """Rank r's slice is kept with its mass, then its own draw: every token with its probability."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 40) * 2
+    params = SamplingParams(temperature=0.8)
+    counts = torch.zeros(40)
+    for _ in range(20000):
+        counts[_draw_over_slices(logits, 0.8, ranks, [RowSampler.create(params, 40)], 0)[0]] += 1
+    expected = torch.softmax(logits[0] / 0.8, -1)
+    assert (counts / counts.sum() - expected).abs().max() < 0.01
+
+
+def test_a_seeded_slice_draw_is_reproducible_whatever_shares_the_batch() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 300)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    row = RowSampler.create(seeded, 300)
+    alone = [_draw_over_slices(logits[:1], 1.0, 2, [row], i)[0] for i in range(8)]
+    rows = [RowSampler.create(seeded, 300), RowSampler.create(SamplingParams(temperature=1.0), 300),
+            RowSampler.create(SamplingParams(temperature=1.0, seed=8), 300)]
+    assert [_draw_over_slices(logits, 1.0, 2, rows, i)[0] for i in range(8)] == alone
+    row = RowSampler.create(SamplingParams(temperature=1.0, seed=9), 300)
+    assert [_draw_over_slices(logits[:1], 1.0, 2, [row], i)[0] for i in range(8)] != alone
 
 
 def test_repetition_penalty() -> None:

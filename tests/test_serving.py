@@ -65,6 +65,22 @@ def test_greedy_tokens_alone_joining_midway_and_beside_15_others(which, request)
     assert leader.serving_stats("smol")["peak_rows"] >= 8
 
 
+def test_a_seeded_draw_over_the_whole_vocabulary_is_the_same_whatever_shares_its_batch(tp2):
+    """Temperature alone: every rank draws in its vocabulary slice and rank 0 keeps one rank's draw
+    (no logits gathered). Beside a row that needs the whole logits gathered (a repetition penalty),
+    the same draw is made from the gathered logits: the same tokens."""
+    seeded = dict(prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    alone = tp2.generate("smol", **seeded).token_ids
+    with ThreadPoolExecutor(3) as pool:
+        beside = pool.submit(tp2.generate, "smol", **seeded)
+        others = [pool.submit(tp2.generate, "smol", prompt="Say", max_tokens=12, temperature=0.9,
+                              repetition_penalty=1.2, ignore_eos=True),
+                  pool.submit(tp2.generate, "smol", prompt="Count", max_tokens=12, temperature=1.0, ignore_eos=True)]
+        assert all(len(f.result(120).token_ids) == 12 for f in others)
+    assert beside.result().token_ids == alone
+    assert tp2.generate("smol", **dict(seeded, seed=4)).token_ids != alone
+
+
 def test_a_short_request_overtakes_a_long_one_and_a_running_one_cancels(tp2):
     long = tp2.stream("smol", prompt="Write a long story:", max_tokens=300, temperature=0, ignore_eos=True)
     deltas = iter(long)

@@ -151,6 +151,62 @@ def test_tensor_parallel_matches_transformers(
         assert_matches(results["llama_untied_q8"][0], tp1_q8, f"q8_0 lm_head rank {rank}/{world_size}")
 
 
+def _candidates_main(rank: int, world_size: int, init_file: str, use_shm: bool, out_dir: str) -> None:
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
+        if use_shm:
+            assert shm.attach(f"cand{os.getppid()}", "t", rank, world_size, 60.0) is not None
+        tp = TPContext(rank, world_size)
+        head = ParallelLMHead(8, VOCAB, tp, dtype=torch.float32, device=torch.device("cpu"))
+        logits = _candidate_logits()
+        local = logits[:, head.start : head.start + head.count]
+        results = {k: head.top_candidates(local.clone(), k)[:3] for k in (1, 7, 40)}
+        extra = torch.full((5, 2), float(rank))  # rides along: every rank's, in rank order
+        results["extra"] = head.top_candidates(local.clone(), 3, extra)[3]
+        torch.save(results, out)
+        shm.detach()
+        dist.destroy_process_group()
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out)
+        raise
+
+
+def _candidate_logits() -> torch.Tensor:
+    """Few distinct values, so ties inside and across the ranks' slices are common."""
+    return torch.randint(0, 6, (5, VOCAB), generator=torch.Generator().manual_seed(0)).float()
+
+
+@pytest.mark.parametrize(("world_size", "use_shm"), [(1, False), (2, True), (3, False)])
+def test_top_candidates_from_slices_equal_the_top_of_the_whole_logits(world_size: int, use_shm: bool, tmp_path: Path) -> None:
+    """What the serving loop samples from instead of gathering the logits: every rank gets each
+    row's k largest logits over the whole vocabulary (for k = 1 the lowest id of equal maxima,
+    argmax's choice) and the log-sum-exp over the whole vocabulary."""
+    ctx = mp.get_context("spawn")
+    args = (world_size, str(tmp_path / "pg"), use_shm, str(tmp_path))
+    procs = [ctx.Process(target=_candidates_main, args=(r, *args), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    logits = _candidate_logits()
+    order = torch.sort(-logits, stable=True)
+    for rank in range(world_size):
+        data = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert "error" not in data, data.get("error")
+        assert torch.equal(data.pop("extra"), torch.arange(world_size).float()[None, :, None].expand(5, -1, 2))
+        for k, (values, ids, lse) in data.items():
+            assert torch.equal(values, -order.values[:, :k]), (rank, k)
+            assert torch.equal(logits.gather(1, ids), values)  # which of equal logits fill the k-th place may vary
+            assert all(len(set(row)) == k for row in ids.tolist())
+            torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+        assert torch.equal(data[1][1][:, 0], logits.argmax(-1))
+
+
 def test_uneven_slices_cover_the_vocabulary_without_a_process_group() -> None:
     """Rank r's embedding rows and LM-head rows are the same contiguous slice."""
     ends = []

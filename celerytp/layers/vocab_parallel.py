@@ -122,6 +122,37 @@ class ParallelLMHead(VocabSlice):
         if tied is not None:  # the embedding's slice, in whatever form it is kept
             self.weight, self.qweight = tied.weight, tied.qweight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """The logits (..., V) on every rank; only this rank's slice (..., V_local) when not `gather`."""
         local = F.linear(x, self.weight) if self.qweight is None else self.qweight(x)  # (..., V_local)
+        if not gather:
+            return local
         return self.tp.gather_last_dim(local, [count for _, count in self.shards])  # (..., V)
+
+    def top_candidates(
+        self, local: torch.Tensor, k: int, extra: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each row's k largest logits over the whole vocabulary, from every rank's slice, on every rank.
+
+        local: (S, V_local) float32, this rank's slice (`forward(..., gather=False)`). Returns
+        (values, ids) (S, k), largest first (for k = 1 the lowest id of equal maxima, as argmax picks;
+        which of several equal logits make the k-th place is unspecified, as in torch.topk), each
+        row's log-sum-exp over the whole vocabulary (S,), for log-probabilities, and every rank's
+        `extra` (S, E) floats as (S, N, E), sent in the same collective. Every rank sends
+        (S, 2k + 1 + E) floats instead of its (S, V_local) slice: the global top k is among the
+        ranks' own top k. Ids travel as float32, exact below 2**24.
+        """
+        k = min(k, min(count for _, count in self.shards))
+        if k == 1:  # greedy: max() returns the first maximum, as a full argmax would
+            top, at = local.max(-1, keepdim=True)
+        else:
+            top, at = local.topk(k, dim=-1)
+        extra = local.new_zeros(len(local), 0) if extra is None else extra.to(local)
+        packed = torch.cat([top, (at + self.start).float(), torch.logsumexp(local, -1, keepdim=True), extra], -1)
+        width = packed.shape[1]
+        parts = self.tp.gather_last_dim(packed, [width] * self.tp.world_size).view(len(local), -1, width)  # (S, N, w)
+        values, ids = parts[..., :k].flatten(1), parts[..., k : 2 * k].flatten(1)  # (S, N * k)
+        by_id = ids.argsort(-1)  # then a stable sort by value: equal values keep the lower id first
+        order = by_id.gather(1, values.gather(1, by_id).argsort(dim=-1, descending=True, stable=True))[:, :k]
+        lse = torch.logsumexp(parts[..., 2 * k], -1)
+        return values.gather(1, order), ids.gather(1, order).long(), lse, parts[..., 2 * k + 1 :] if extra.shape[1] else None

@@ -88,12 +88,14 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_tokens(
-        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int | None = None
+        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int | None = None, gather: bool = True
     ) -> torch.Tensor:
         """Run tokens (T,) of cache row `row` (default: step mode's) at positions offset..offset+T-1.
 
         Offset 0 starts the row over. Returns float32 logits (T, vocab), or (1, vocab) for the
-        last position when `last_only` (saves a (T, vocab) matrix on long prompts).
+        last position when `last_only` (saves a (T, vocab) matrix on long prompts). With
+        `gather=False` every method here returns this rank's vocabulary slice of the logits
+        (the serving loop reduces the slices itself, layers/vocab_parallel.py `top_candidates`).
         """
         row = self.step_row if row is None else row
         if tokens.dim() != 1 or tokens.numel() == 0:
@@ -111,12 +113,12 @@ class CausalLM(nn.Module):
         h = self.model(ids, CacheSlots.prefill(row, offset, n, self.device))  # (1, T, D)
         if last_only:
             h = h[:, -1:]
-        logits = self.lm_head(h)[0].float()  # (T, V)
+        logits = self.lm_head(h, gather=gather)[0].float()  # (T, V)
         self.cache_lens[row] = offset + n
         return logits
 
     @torch.inference_mode()
-    def prefill_rows(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+    def prefill_rows(self, prompts: list[list[int]], rows: list[int], gather: bool = True) -> torch.Tensor:
         """Several rows' prompts in one padded forward from position 0: logits (B, vocab) at each last token."""
         if not self.batched_prefill:
             raise ValueError(f"{type(self).__name__} prefills one row at a time")
@@ -128,13 +130,13 @@ class CausalLM(nn.Module):
             ids[b, : len(prompt)] = torch.tensor(prompt)
         h = self.model(ids.to(self.device), CacheSlots.prefill_rows(rows, lengths, self.device))  # (B, T, D)
         last = h[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # (B, D): each row's last real token
-        logits = self.lm_head(last).float()  # (B, V)
+        logits = self.lm_head(last, gather=gather).float()  # (B, V)
         for r, n in zip(rows, lengths):
             self.cache_lens[r] = n
         return logits
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], active: list[bool]) -> torch.Tensor:
+    def decode(self, tokens: list[int], active: list[bool], gather: bool = True) -> torch.Tensor:
         """One token for each of cache rows 0..R-1 at its next position; only `active` rows count.
 
         The batch keeps the shape of the first R rows (no copy of any row's cache); inactive
@@ -147,10 +149,34 @@ class CausalLM(nn.Module):
         h = self.model(ids, CacheSlots.decode(positions, active, self.max_context, self.device))[:, 0]  # (R, D)
         if not all(active):
             h = h[torch.tensor(active, device=self.device)]  # (A, D)
-        logits = self.lm_head(h).float()  # (A, V)
+        logits = self.lm_head(h, gather=gather).float()  # (A, V)
         for r, a in enumerate(active):
             self.cache_lens[r] += a
         return logits
+
+    def gather_logits(
+        self, local: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's vocabulary slices (`gather=False` logits) joined into whole rows, on every
+        rank, and every rank's `extra` (S, E) as (S, N, E), in the same collective."""
+        sizes = [count for _, count in self.lm_head.shards]
+        if extra is None:
+            return self.lm_head.tp.gather_last_dim(local, sizes), None
+        width = extra.shape[1]
+        joined = self.lm_head.tp.gather_last_dim(torch.cat([local, extra.to(local)], -1), [n + width for n in sizes])
+        parts = joined.split([n + width for n in sizes], -1)
+        return torch.cat([part[..., :-width] for part in parts], -1), torch.stack([part[..., -width:] for part in parts], 1)
+
+    def top_candidates(
+        self, local: torch.Tensor, k: int, extra: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each row's k most likely tokens from the ranks' slices, and every rank's `extra` (layers/vocab_parallel.py)."""
+        return self.lm_head.top_candidates(local, k, extra)
+
+    @property
+    def vocab_start(self) -> int:
+        """The first token id of this rank's vocabulary slice."""
+        return self.lm_head.start
 
     def clear_cache(self, row: int | None = None) -> None:
         """Forget the cached positions of one row, or of all (buffers stay allocated)."""

@@ -66,20 +66,83 @@ class RowSampler:
 def sample_rows(logits: torch.Tensor, rows: list[RowSampler]) -> list[int]:
     """Pick the next token of each row from (B, V) logits; temperature 0 is argmax."""
     logits = apply_repetition_penalty(logits.float().cpu(), rows)
-    tokens = logits.argmax(-1)  # (B,): right for greedy rows, replaced below for the others
+    return _draw(logits, logits.argmax(-1), None, rows)
+
+
+def sample_candidates(values: torch.Tensor, ids: torch.Tensor, rows: list[RowSampler]) -> list[int]:
+    """Pick the next token of each row from its most likely tokens (B, K), largest first
+    (ParallelLMHead.top_candidates). Greedy rows take the first; every other row must have a
+    top_k in 1..K and no repetition penalty (`slice_mode` CANDIDATES), so it draws exactly what
+    sample_rows would from the whole logits, with the same uniform draw."""
+    values, ids = values.float().cpu(), ids.cpu()
+    return _draw(values, ids[:, 0].clone(), ids, rows)
+
+
+# How the serving loop samples a row from the ranks' vocabulary slices (worker/serving.py `_scores`).
+CANDIDATES = "candidates"  # from the top candidates the ranks send: greedy, top_k <= 1024
+SLICE_DRAW = "slice_draw"  # each rank draws in its slice, rank 0 picks a slice: the whole vocabulary
+WHOLE = "whole"  # the whole logits gathered: top_p alone, a repetition penalty, a replayed token's logprob
+
+
+def slice_mode(params: SamplingParams, replayed: bool = False) -> str:
+    """How a row is sampled from vocabulary slices; `replayed`: its token this step is one it
+    decoded before (resumed), whose log-probability may be asked for."""
+    if params.repetition_penalty != 1.0 or (replayed and params.logprobs > 0):
+        return WHOLE
+    if params.greedy or 0 < params.top_k <= TOP_P_PREFILTER:
+        return CANDIDATES
+    return WHOLE if params.top_p < 1 else SLICE_DRAW
+
+
+def slice_uniforms(rows: list[tuple[int | None, int]], rank: int) -> torch.Tensor:
+    """One uniform per (seed, token index) row for this rank's draw in its slice: from the seed,
+    the index and the rank for a seeded request (reproducible, whatever shares the batch), from
+    the global generator otherwise."""
+    return torch.cat([
+        torch.rand(1) if seed is None else torch.rand(1, generator=make_generator(hash((seed, index, rank)) & _SEED_MASK))
+        for seed, index in rows
+    ])
+
+
+_SEED_MASK = 2**63 - 1
+
+
+def draw_in_slice(local: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, start: int) -> torch.Tensor:
+    """Each row's draw from softmax(local / temperature) over this rank's slice (D, V_local), by
+    inverse CDF in id order: (D, 3) of the slice's log-sum-exp at that temperature (its mass, for
+    `pick_slices`), the drawn global id and its raw logit (for its log-probability)."""
+    x = local.float() / temperature.clamp(min=1e-5)[:, None]
+    cdf = torch.softmax(x, -1).cumsum(-1)
+    at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=local.shape[1] - 1)  # (D, 1)
+    return torch.cat([torch.logsumexp(x, -1, keepdim=True), (at + start).float(), local.gather(1, at).float()], -1)
+
+
+def pick_slices(slice_lse: torch.Tensor, rows: list[RowSampler]) -> list[int]:
+    """Rank 0: which rank's draw each row keeps, rank r with probability exp(lse_r) / sum (D, N).
+    A token i of slice r is then kept with probability (m_r / M) (p_i / m_r) = p_i / M: an exact
+    draw over the whole vocabulary, one uniform of the row's generator per token, as sample_rows."""
+    u = torch.cat([torch.rand(1, generator=row.generator) for row in rows])
+    cdf = torch.softmax(slice_lse, -1).cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=slice_lse.shape[1] - 1)[:, 0].tolist()
+
+
+def _draw(scores: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None, rows: list[RowSampler]) -> list[int]:
+    """tokens (B,) hold each row's most likely token; rows that sample replace theirs with a draw
+    from `scores` (B, V or K; the token of column j is `ids[:, j]`, or j itself when ids is None)."""
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         params = [rows[i].params for i in drawn]
         u = torch.cat([torch.rand(1, generator=rows[i].generator) for i in drawn])  # (S,)
-        probs, ids = candidate_probs(
-            logits[drawn],
+        probs, columns = candidate_probs(
+            scores[drawn],
             torch.tensor([p.temperature for p in params]),
             torch.tensor([p.top_k for p in params]),
             torch.tensor([p.top_p for p in params]),
         )  # (S, K) each
         cdf = probs.cumsum(-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=ids.shape[1] - 1)  # (S, 1)
-        tokens[drawn] = ids.gather(1, pick)[:, 0]
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=columns.shape[1] - 1)  # (S, 1)
+        chosen = columns.gather(1, pick)  # (S, 1)
+        tokens[drawn] = (chosen if ids is None else ids[drawn].gather(1, chosen))[:, 0]
     return tokens.tolist()
 
 

@@ -21,11 +21,25 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.protocol import GenSpec, RowResult
+from celerytp.core.sampling import SamplingParams
+from celerytp.core.step_clock import per_step_us, reset, timed
 from celerytp.core.stopping import StopChecker
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.distributed.control import ControlGroup
 from celerytp.models import CausalLM
-from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
+from celerytp.worker.sampling import (
+    SLICE_DRAW,
+    WHOLE,
+    RowSampler,
+    draw_in_slice,
+    pick_slices,
+    sample_candidates,
+    sample_rows,
+    slice_mode,
+    slice_uniforms,
+    token_logprob,
+    top_logprobs,
+)
 
 # Plan commands, and per-row news in a plan.
 STEP, EXIT, ABORT = 0, 1, 2
@@ -38,6 +52,7 @@ class Sequence:
     """A request in a cache row. Every rank tracks its progress; rank 0 also samples and stops it."""
 
     spec: GenSpec
+    params: SamplingParams
     row: int
     reused: int  # prompt tokens the row already held
     fed: int  # prompt tokens in the cache so far
@@ -45,6 +60,7 @@ class Sequence:
     # as that attempt decoded them (a prefill would round differently and could change a
     # later greedy token); rank 0 samples again once they are in.
     forced: list[int] = field(default_factory=list)
+    sampled: int = 0  # tokens sampled in this attempt (every rank counts: seeds the slice draws)
     next_token: int = -1  # decoded next (after the prompt is in)
     # rank 0 only
     sampler: RowSampler | None = None
@@ -86,13 +102,44 @@ class RequestSource(Protocol):
         """Wait up to `seconds` for queued work; True when there is some."""
 
     def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
-        """Deliver `events`; return which of the `running` request ids were cancelled."""
+        """Deliver `events` (perhaps after this returns); which of the `running` request ids are
+        known to be cancelled."""
 
     def yield_wanted(self) -> bool:
         """Another op waits for this rank: stop admitting and end the loop."""
 
     def try_exit(self) -> bool:
         """End the loop unless requests were queued meanwhile (atomically with submitters)."""
+
+
+@dataclass
+class Scores:
+    """A step's sampled rows and what rank 0 picks their tokens from (worker/sampling.py
+    `slice_mode`): the whole logits (S, V) when a row needs them, else each row's top candidates
+    and log-sum-exp, and for rows drawn over the whole vocabulary every rank's draw in its slice."""
+
+    seqs: list[Sequence]
+    forced: list[int | None]  # a replaying row's token from its earlier attempt
+    logits: torch.Tensor | None = None  # (S, V)
+    values: torch.Tensor | None = None  # (S, K), largest first
+    ids: torch.Tensor | None = None  # (S, K)
+    lse: torch.Tensor | None = None  # (S,)
+    slice_draws: torch.Tensor | None = None  # (S, N, 3): per rank (log-mass, drawn id, its logit)
+    drawing: list[int] = field(default_factory=list)  # the rows that keep a rank's slice draw
+    kept: dict[int, float] = field(default_factory=dict)  # row -> the raw logit of its kept slice draw
+
+    def logprob(self, i: int, token: int) -> float:
+        if self.logits is not None:
+            return token_logprob(self.logits[i], token)
+        if i in self.kept:
+            return self.kept[i] - float(self.lse[i])
+        at = (self.ids[i] == token).nonzero()[0, 0]  # any other picked token is a candidate
+        return float(self.values[i, at] - self.lse[i])
+
+    def top(self, i: int, n: int) -> list[tuple[int, float]]:
+        if self.logits is not None:
+            return top_logprobs(self.logits[i], n)
+        return list(zip(self.ids[i, :n].tolist(), (self.values[i, :n] - self.lse[i]).tolist(), strict=True))
 
 
 @dataclass
@@ -148,19 +195,29 @@ class ServingLoop:
 
     def run(self) -> dict[str, int]:
         """Serve until the queue stays empty for idle_s (or another op waits); rank 0's figures."""
+        reset()
         while True:
-            plan = self._exchange(self._plan() if self.is_sampler else None)
+            plan = timed("step", self._step)
             if plan.command == ABORT:
                 raise CeleryTPError(*plan.error)
-            self._apply(plan)
             if plan.command == EXIT:
                 self.flush()
                 return self.stats
-            self.stats["steps"] += 1
-            self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.running))
-            sampled = self._forward()
-            if self.is_sampler:
-                self._guarded(lambda: self._sample(sampled))
+
+    def _step(self) -> Plan:
+        planned = timed("plan", self._plan) if self.is_sampler else None
+        plan = timed("control", lambda: self._exchange(planned))
+        if plan.command == ABORT:
+            return plan
+        self._apply(plan)
+        if plan.command == EXIT:
+            return plan
+        self.stats["steps"] += 1
+        self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.running))
+        scores = timed("forward", lambda: self._scores(self._forward()))
+        if self.is_sampler and scores is not None:
+            self._guarded(lambda: timed("sampling", lambda: self._sample(scores)))
+        return plan
 
     def running_requests(self) -> list[GenSpec]:
         """Rank 0: every request this loop holds, in a row or on its way to one (to fail them)."""
@@ -205,7 +262,7 @@ class ServingLoop:
     def _deliver(self, plan: Plan) -> None:
         """Publish last step's tokens and results; turn cancellations into finished rows."""
         running = [seq.spec.request_id for row, seq in self.running.items() if plan.news[row][0] != DONE]
-        cancelled = self.source.publish(self._events, running, self._live_stats())
+        cancelled = timed("publish", lambda: self.source.publish(self._events, running, self._live_stats()))
         self._events = Events()
         for row, seq in self.running.items():
             if seq.spec.request_id in cancelled and plan.news[row][0] != DONE:
@@ -215,7 +272,7 @@ class ServingLoop:
     def _admit(self, plan: Plan) -> None:
         taken = {row for _, row, _ in plan.admissions}
         free = [r for r in range(self.rows) if (r not in self.running or plan.news[r][0] == DONE) and r not in taken]
-        for spec in self.source.take(len(free)) if free else []:
+        for spec in timed("take", lambda: self.source.take(len(free))) if free else []:
             try:
                 self._check(spec)
             except CeleryTPError as exc:  # answered at once; the loop goes on
@@ -236,7 +293,7 @@ class ServingLoop:
             raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
 
     def _live_stats(self) -> dict[str, int]:
-        return {**self.stats, "running_rows": len(self.running)}
+        return {**self.stats, "running_rows": len(self.running), **per_step_us(self.stats["steps"])}
 
     # ---- every rank: exchange and apply the plan -----------------------------------------
 
@@ -275,7 +332,7 @@ class ServingLoop:
         for spec, row, reused in plan.admissions:
             self.model.truncate(row, reused)
             self.row_tokens[row] = list(spec.prompt[:reused])
-            seq = Sequence(spec, row, reused, reused, forced=list(spec.resumed))
+            seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, forced=list(spec.resumed))
             if self.is_sampler:
                 self._start(seq)
             self.running[row] = seq
@@ -285,13 +342,12 @@ class ServingLoop:
 
     def _start(self, seq: Sequence) -> None:
         spec = seq.spec
-        seq.sampler = RowSampler.create(sampling_params(spec.sampling), self.model.config.vocab_size,
-                                        [*spec.prompt, *spec.resumed])
+        seq.sampler = RowSampler.create(seq.params, self.model.config.vocab_size, [*spec.prompt, *spec.resumed])
         seq.sampler.skip(len(spec.resumed))  # a resumed seeded request draws on where it left off
         seq.checker = StopChecker(
             set(spec.eos_token_ids), spec.max_tokens, len(spec.prompt), self.model.max_context, spec.stop, self.decode
         )
-        seq.checker.token_ids = list(spec.resumed)
+        seq.checker.resume(list(spec.resumed))
         seq.admitted_at = time.perf_counter()
         seq.queued_s = max(0.0, time.time() - spec.submitted_at) if spec.submitted_at else 0.0
         seq.logprobs = [] if seq.sampler.params.logprobs else None
@@ -299,7 +355,8 @@ class ServingLoop:
     # ---- every rank: the forwards --------------------------------------------------------
 
     def _forward(self) -> list[tuple[Sequence, torch.Tensor]]:
-        """Decode running rows, prefill admitted ones within the budget; logits of rows to sample."""
+        """Decode running rows, prefill admitted ones within the budget; this rank's vocabulary
+        slice of the logits of each row to sample."""
         out: list[tuple[Sequence, torch.Tensor]] = []
         decoding = [seq for seq in self.running.values() if not seq.prefilling and seq.next_token >= 0]
         if decoding:
@@ -307,7 +364,7 @@ class ServingLoop:
             tokens, active = [0] * width, [False] * width
             for seq in decoding:
                 tokens[seq.row], active[seq.row] = seq.next_token, True
-            logits = self.model.decode(tokens, active)  # (A, V) in row order
+            logits = self.model.decode(tokens, active, gather=False)  # (A, V_local) in row order
             for seq, row_logits in zip(sorted(decoding, key=lambda s: s.row), logits):
                 self.row_tokens[seq.row].append(seq.next_token)
                 seq.next_token = -1
@@ -321,7 +378,7 @@ class ServingLoop:
         fresh = [s for s in waiting if s.fed == 0]
         if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.spec.prompt) for s in fresh) <= budget:
             # Short new prompts: one padded forward reads the weights once for all of them.
-            logits = self.model.prefill_rows([s.spec.prompt for s in fresh], [s.row for s in fresh])
+            logits = self.model.prefill_rows([s.spec.prompt for s in fresh], [s.row for s in fresh], gather=False)
             for seq, row_logits in zip(fresh, logits):
                 self._prefilled(seq, len(seq.spec.prompt))
                 out.append((seq, row_logits))
@@ -332,7 +389,7 @@ class ServingLoop:
                 break
             end = min(len(seq.spec.prompt), seq.fed + budget)
             piece = torch.tensor(seq.spec.prompt[seq.fed : end], dtype=torch.long)
-            logits = self.model.forward_tokens(piece, seq.fed, last_only=True, row=seq.row)
+            logits = self.model.forward_tokens(piece, seq.fed, last_only=True, row=seq.row, gather=False)
             budget -= end - seq.fed
             self._prefilled(seq, end)
             if not seq.prefilling:
@@ -343,27 +400,59 @@ class ServingLoop:
         self.row_tokens[seq.row].extend(seq.spec.prompt[seq.fed : end])
         seq.fed = end
 
+    def _scores(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> Scores | None:
+        """Every rank: join the rows' vocabulary slices as rank 0's sampling needs them. Usually
+        each rank sends only its top candidates per row (ParallelLMHead.top_candidates); the
+        whole logits travel only when a row samples over the whole vocabulary. Every rank
+        decides the same way, from the rows' parameters that every rank holds."""
+        if not sampled:
+            return None
+        seqs = [seq for seq, _ in sampled]
+        local = torch.stack([row_logits for _, row_logits in sampled])  # (S, V_local)
+        forced = [seq.forced.pop(0) if seq.forced else None for seq in seqs]
+        modes = [slice_mode(seq.params, f is not None) for seq, f in zip(seqs, forced)]
+        drawing = [i for i, (mode, f) in enumerate(zip(modes, forced)) if mode == SLICE_DRAW and f is None]
+        for i, f in enumerate(forced):
+            seqs[i].sampled += f is None
+        extra = self._slice_draws(seqs, local, drawing) if drawing else None
+        if WHOLE in modes:
+            logits, draws = self.model.gather_logits(local, extra)
+            return Scores(seqs, forced, logits=logits.cpu(), slice_draws=_cpu(draws), drawing=drawing)
+        k = max(1, *(seq.params.top_k for seq in seqs), *(seq.params.logprobs for seq in seqs))
+        values, ids, lse, draws = self.model.top_candidates(local, k, extra)
+        return Scores(seqs, forced, values=values.cpu(), ids=ids.cpu(), lse=lse.cpu(), slice_draws=_cpu(draws),
+                      drawing=drawing)
+
+    def _slice_draws(self, seqs: list[Sequence], local: torch.Tensor, drawing: list[int]) -> torch.Tensor:
+        """(S, 3): this rank's draw in its slice for each of the `drawing` rows (zeros elsewhere),
+        seeded by the request's seed and the token's index, so a seeded request draws the same
+        whatever shares its batch (worker/sampling.py `draw_in_slice`)."""
+        keys = [(seqs[i].params.seed, len(seqs[i].spec.resumed) + seqs[i].sampled) for i in drawing]
+        u = slice_uniforms(keys, self.control.rank).to(local.device)
+        temperature = torch.tensor([seqs[i].params.temperature for i in drawing], device=local.device)
+        extra = local.new_zeros(len(seqs), 3)
+        extra[drawing] = draw_in_slice(local[drawing], temperature, u, self.model.vocab_start)
+        return extra
+
     # ---- rank 0: sampling and stopping ---------------------------------------------------
 
-    def _sample(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> None:
-        replaying = [(seq, row_logits) for seq, row_logits in sampled if seq.forced]
-        for seq, row_logits in replaying:  # a resumed row feeds its earlier tokens (delivered and counted already)
-            token = seq.forced.pop(0)
-            self._news[seq.row] = (FEED, token)
-            if seq.logprobs is not None:
-                seq.logprobs.append((token_logprob(row_logits, token), top_logprobs(row_logits, seq.sampler.params.logprobs)))
-        sampled = [(seq, logits) for seq, logits in sampled if not any(seq is r for r, _ in replaying)]
-        if not sampled:
+    def _sample(self, scores: Scores) -> None:
+        drawn = []
+        for i, (seq, token) in enumerate(zip(scores.seqs, scores.forced)):
+            if token is None:
+                drawn.append(i)
+                continue
+            self._news[seq.row] = (FEED, token)  # a resumed row feeds its earlier tokens (delivered and counted already)
+            self._record_logprobs(scores, i, token)
+        if not drawn:
             return
-        seqs = [seq for seq, _ in sampled]
-        logits = torch.stack([row_logits for _, row_logits in sampled])  # (S, V)
-        tokens = sample_rows(logits, [seq.sampler for seq in seqs])
+        tokens = self._pick(scores, drawn)
         now = time.perf_counter()
-        for seq, token, row_logits in zip(seqs, tokens, logits):
+        for i, token in zip(drawn, tokens):
+            seq = scores.seqs[i]
             seq.first_token_at = seq.first_token_at or now
             seq.sampler.saw(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append((token_logprob(row_logits, token), top_logprobs(row_logits, seq.sampler.params.logprobs)))
+            self._record_logprobs(scores, i, token)
             reason = seq.checker.after(token)
             if seq.spec.stream and token not in seq.checker.eos_ids:
                 self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1))
@@ -372,6 +461,29 @@ class ServingLoop:
             else:
                 self._news[seq.row] = (DONE, token)
                 self._events.finished.append((seq.spec, Finished(self._result(seq, reason))))
+
+    def _pick(self, scores: Scores, rows: list[int]) -> list[int]:
+        """The next token of each of `rows` (one uniform of its generator each, when it samples)."""
+        def samplers(of: list[int]) -> list[RowSampler]:
+            return [scores.seqs[i].sampler for i in of]
+
+        plain = [i for i in rows if i not in scores.drawing]
+        tokens = {}
+        if plain and scores.logits is not None:
+            tokens.update(zip(plain, sample_rows(scores.logits[plain], samplers(plain))))
+        elif plain:
+            tokens.update(zip(plain, sample_candidates(scores.values[plain], scores.ids[plain], samplers(plain))))
+        if scores.drawing:  # drawn over the whole vocabulary: keep one rank's draw in its slice
+            draws = scores.slice_draws[scores.drawing]  # (D, N, 3)
+            for i, row_draws, rank in zip(scores.drawing, draws, pick_slices(draws[..., 0], samplers(scores.drawing))):
+                tokens[i] = int(row_draws[rank, 1])
+                scores.kept[i] = float(row_draws[rank, 2])
+        return [tokens[i] for i in rows]
+
+    def _record_logprobs(self, scores: Scores, i: int, token: int) -> None:
+        seq = scores.seqs[i]
+        if seq.logprobs is not None:
+            seq.logprobs.append((scores.logprob(i, token), scores.top(i, seq.params.logprobs)))
 
     def _result(self, seq: Sequence, reason: str) -> RowResult:
         now = time.perf_counter()
@@ -382,6 +494,10 @@ class ServingLoop:
             ttft_s=seq.queued_s + (first - seq.admitted_at), decode_s=now - first, queued_s=seq.queued_s,
             reused_tokens=seq.reused, logprobs=seq.logprobs,
         )
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()
 
 
 def _done_rows(plan: Plan) -> list[int]:
