@@ -22,7 +22,7 @@ from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 from celerytp.distributed import shm
 from celerytp.distributed.tp import TPContext
 from celerytp.models import load_model
-from celerytp.models.compiled import COMPILE_ENV
+from celerytp.models.compiled import COMPILE_ENV, compile_requested, use_persistent_cache
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -113,3 +113,33 @@ def test_compiled_decode_matches_eager_tp2(checkpoint: tuple[str, list[list[int]
         result = torch.load(out)
         assert "error" not in result, result.get("error")
         _check(result)
+
+
+@pytest.mark.parametrize(("value", "device", "quant", "compiles"), [
+    ("auto", "cpu", "q4_1+q8_0", True),  # kept quantized: compiling pays on CPU
+    ("auto", "cpu", None, False),  # float32 on CPU: it does not (docs/benchmarks.md)
+    ("auto", "cpu", "bf16", False),
+    ("auto", "cuda", None, True),
+    ("1", "cpu", None, True),
+    ("0", "cuda", "q4_0", False),
+])
+def test_compile_by_default_where_it_pays(monkeypatch, value, device, quant, compiles) -> None:
+    monkeypatch.setenv(COMPILE_ENV, value)
+    model = type("Model", (), {"device": torch.device(device), "quant": quant})()
+    assert compile_requested(model) is compiles
+
+
+def test_a_mistyped_switch_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(COMPILE_ENV, "yes please")
+    with pytest.raises(ValueError, match="CELERYTP_COMPILE must be auto, 1 or 0"):
+        compile_requested(type("Model", (), {"device": torch.device("cpu"), "quant": None})())
+
+
+def test_the_compile_cache_lives_in_the_workers_cache_directory(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("CELERYTP_CACHE_DIR", str(tmp_path))
+    use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor") and (tmp_path / "inductor").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # an operator's own choice stays
+    use_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"

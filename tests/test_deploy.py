@@ -57,7 +57,9 @@ def test_every_service_restarts_and_is_health_checked(services):
         assert service.get("restart") == "unless-stopped", name
         assert "healthcheck" in service or service.get("image") == "celerytp:latest", name
         if service.get("image") == "celerytp:latest":
-            assert service["volumes"] == ["${MODELS_DIR:-./models}:/models:ro"]
+            # models read-only; the compile cache (owned by the image's user) outlives containers
+            assert service["volumes"] == ["${MODELS_DIR:-./models}:/models:ro", "compile-cache:/cache"]
+            assert "mkdir /cache && chown celerytp /cache" in dockerfile
 
 
 def test_flower_runs_the_module_app_with_basic_auth(services):

@@ -12,6 +12,8 @@ from safetensors.torch import save_file
 from celerytp import CeleryTPError
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import ErrorKind
+from celerytp.models import half_precision
+from celerytp.models.half_precision import check_half_precision, matvec_us
 
 STEPS = 20
 
@@ -150,6 +152,10 @@ def test_bad_loads_are_typed_and_load_nothing(cluster, tiny_llama, tmp_path):
     with pytest.raises(CeleryTPError) as info:
         leader.load("bad", path, max_context=10**6)
     assert info.value.kinds == {ErrorKind.LOAD_FAILED} and "max_position_embeddings" in str(info.value)
+    if matvec_us(torch.bfloat16) > 1.1 * matvec_us(torch.float32):  # as on the machines here: ~10x
+        with pytest.raises(CeleryTPError) as info:
+            leader.load("bad", path, dtype="bfloat16")
+        assert info.value.kinds == {ErrorKind.BAD_REQUEST} and "slower than float32 on this CPU" in str(info.value)
     assert "bad" not in leader.models()
     with pytest.raises(CeleryTPError) as info:
         leader.step("bad", [1], 0)
@@ -260,3 +266,15 @@ def default_gguf_bytes():
 
     with open(default_model_path(), "rb") as f:
         return f.read(8 << 20)
+
+
+def test_half_precision_weights_load_only_where_they_are_not_slower(monkeypatch):
+    cpu = torch.device("cpu")
+    speed = {torch.float32: 100.0, torch.bfloat16: 1000.0, torch.float16: 105.0}
+    monkeypatch.setattr(half_precision, "matvec_us", lambda dtype: speed[dtype])
+    with pytest.raises(CeleryTPError, match=r"bfloat16 weights would decode slower .* 1000 µs in bfloat16, 100 µs"):
+        check_half_precision(torch.bfloat16, cpu)
+    check_half_precision(torch.float16, cpu)  # within 10%: as fast
+    check_half_precision(torch.bfloat16, torch.device("cuda"))  # GPUs are built for it
+    monkeypatch.setenv(half_precision.ALLOW_ENV, "1")
+    check_half_precision(torch.bfloat16, cpu)

@@ -1,16 +1,21 @@
-"""Compiled decode (opt-in): each decoder layer's decode step through torch.compile.
+"""Compiled decode: each decoder layer's decode step through torch.compile, where it pays.
 
 An eager decode step of a 30-layer model dispatches ~1,800 small torch ops; compiling fuses the
 elementwise ones (norms, rotary, SwiGLU, residuals, dtype casts) around the matmul and attention
 kernels. The collectives are custom ops (celerytp/distributed/tp.py), so a layer is one graph.
-Shapes are dynamic (the attended length grows every step), so one graph per layer kind serves
-every step and every layer (the layers share their code; parameters are graph inputs).
+Shapes are dynamic (the attended length grows every step, the batch with the running rows), so
+one graph per layer kind serves every step, every batch width and every layer (the layers share
+their code; parameters are graph inputs). torch specializes a width of 1 apart from the others,
+so a load warms up both (widths 1 and 2): no request pays a compile.
 
-Off by default (docs/benchmarks.md, "Decode speed and memory per rank"): on 2-core CPU
-machines it speeds up q4 decode 1.2-1.5x and float32 not at all, a load compiles for 8-15 s
-with inductor's on-disk cache warm (~40 s cold), and it costs ~100 MiB per rank. `CELERYTP_COMPILE=1` in the worker's environment turns it on
-at load. On CUDA the same call uses mode="reduce-overhead" (CUDA graphs); that path is not yet
-verified on a GPU. Prefill and hybrid (Gated DeltaNet) layers stay eager.
+`CELERYTP_COMPILE` in the worker's environment: `auto` (default) compiles dense models whose
+linears are kept quantized, and every dense model on CUDA; `1` compiles every dense model, `0`
+none. On 2-core CPU machines compiling speeds up q4 decode 1.2-1.5x and float32 not at all
+(docs/benchmarks.md), hence `auto`. The compiler's cache (`TORCHINDUCTOR_CACHE_DIR`, set here
+under the worker's cache directory unless the environment sets it) keeps the cost to the first
+start on a machine: ~40 s there, a few seconds on later starts. On CUDA the same call uses
+mode="reduce-overhead" (CUDA graphs); that path is not yet verified on a GPU. Prefill and hybrid
+(Gated DeltaNet) layers stay eager.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,31 +34,63 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 COMPILE_ENV = "CELERYTP_COMPILE"
+CACHE_ENV = "CELERYTP_CACHE_DIR"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def compile_requested() -> bool:
-    return os.environ.get(COMPILE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+def compile_requested(model: CausalLM) -> bool:
+    """Whether this load compiles decode (CELERYTP_COMPILE: auto, 1 or 0; see the module docstring).
+    An unknown value is refused, so a typo does not silently pick a mode."""
+    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    if value != "auto":
+        raise ValueError(f"{COMPILE_ENV} must be auto, 1 or 0, got {value!r}")
+    return model.device.type == "cuda" or model.quant not in (None, "f32", "f16", "bf16")  # block formats
 
 
-def compile_decode(model: CausalLM) -> bool:
-    """Give `model` compiled decode layers and compile them now, with one decode step of row 0
-    (every rank loads at once, so their collectives meet). A graph break or a compiler failure
+def cache_dir() -> Path:
+    """The worker's cache directory: CELERYTP_CACHE_DIR, else $XDG_CACHE_HOME/celerytp or ~/.cache/celerytp."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "celerytp"
+
+
+def use_persistent_cache() -> None:
+    """Point inductor's on-disk cache into the worker's cache directory (unless set), so compiled
+    graphs outlive /tmp and a restarted worker loads them instead of compiling again."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = cache_dir() / "inductor"
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+
+
+def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = None) -> bool:
+    """Give `model` compiled decode layers and compile them now, with decode steps of widths 1 and
+    2 (every rank loads at once, so their collectives meet). A graph break or a compiler failure
     leaves decode eager (logged) and returns False. The same code and shapes fail alike on
     every rank, so the ranks stay in step."""
     decoder = model.model
     if not hasattr(decoder, "decode_layers"):
         log.info("%s: %s decodes eagerly (only dense models compile)", COMPILE_ENV, type(model).__name__)
         return False
+    use_persistent_cache()
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     decoder.decode_layers = [torch.compile(layer, dynamic=True, fullgraph=True, mode=mode) for layer in decoder.layers]
     started = time.monotonic()
     try:
-        model.decode([0], [True])
+        for width in (1, 2):  # a width of 1 is its own graph; 2 stands for every other width
+            if progress is not None:
+                progress(f"compiling decode (batch width {width}; the first start on a machine takes longest)")
+            model.decode([0] * width, [True] * width)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: run eagerly, as without the switch
         log.warning("%s: compiling decode failed, decoding eagerly: %s: %s", COMPILE_ENV, type(exc).__name__, exc)
         decoder.decode_layers = None
         return False
     finally:
-        model.clear_cache(0)
-    log.info("compiled decode in %.1f s (mode=%s)", time.monotonic() - started, mode)
+        model.clear_cache()
+    log.info("compiled decode in %.1f s (mode=%s, cache %s)", time.monotonic() - started, mode,
+             os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return True

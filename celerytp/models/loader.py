@@ -62,14 +62,15 @@ def load_model(
             kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype,
         )
         loaded = model.load_weights(checkpoint, progress)
+        tensors = len(checkpoint.names())
         finish_loading(model)
         model.quant = plan_name(plan, model)  # the load reply's `quant`
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
     model.eval()
-    if compile_requested():
-        compile_decode(model)  # now, not in the first request's step
+    if compile_requested(model):  # now, not in the first request's step
+        compile_decode(model, None if progress is None else lambda what: progress(tensors, tensors, what))
     return model
 
 

@@ -18,6 +18,7 @@ from celerytp.core.sampling import SamplingParams
 from celerytp.core.tokenizer import Tokenizer, load_tokenizer
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.models import load_model
+from celerytp.models.half_precision import check_half_precision
 from celerytp.quant.plan import quant_summary
 from celerytp.worker.loaded_model import LoadedModel, release_memory
 from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
@@ -114,6 +115,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     model, tokenizer, failure = None, None, None
     try:
         path = confine(request.path, state.config.model_roots)
+        check_half_precision(DTYPES[dtype_name], state.device)
         if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
             tokenizer = serving_tokenizer(path)
         model = load_model(

@@ -1,0 +1,53 @@
+"""Half-precision weights on a CPU: loaded only where they decode at least as fast as float32.
+
+Many CPUs have no fast half-precision matrix-vector path: on the 2-core AVX-512 machines this
+project tests on, a bfloat16 product of a decode-sized matrix takes ~10x as long as in float32, and
+float16 ~1.8x. Decode reads every weight once per token, so such a load would halve the memory and
+cut the speed several-fold. The first half-precision load on a CPU measures the same product in
+both dtypes on this machine, and is refused with the figures when half is slower (a CPU with
+AMX or native float16 passes). CELERYTP_ALLOW_SLOW_HALF=1 loads anyway (memory over speed).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+
+from celerytp.core.errors import CeleryTPError, ErrorKind
+
+ALLOW_ENV = "CELERYTP_ALLOW_SLOW_HALF"
+_SHAPE = (1536, 576)  # SmolLM2's MLP: the size of matrix a small model's decode reads most
+_TOLERANCE = 1.1  # within 10% of float32 counts as as fast (the measurement is short)
+
+
+def check_half_precision(dtype: torch.dtype, device: torch.device) -> None:
+    """Raise CeleryTPError(bad_request) for half-precision weights that decode slower than float32 here."""
+    if device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return
+    if os.environ.get(ALLOW_ENV, "").strip() in ("1", "true", "yes"):
+        return
+    half_us, float_us = matvec_us(dtype), matvec_us(torch.float32)
+    if half_us > float_us * _TOLERANCE:
+        name = str(dtype).removeprefix("torch.")
+        raise CeleryTPError(
+            ErrorKind.BAD_REQUEST,
+            f"field 'dtype': {name} weights would decode slower than float32 on this CPU (a {_SHAPE[0]}x{_SHAPE[1]} "
+            f"matrix-vector product: {half_us:.0f} µs in {name}, {float_us:.0f} µs in float32); load in float32, or "
+            f"in a quant format such as q8_0 to save memory ({ALLOW_ENV}=1 loads {name} anyway)",
+        )
+
+
+@functools.cache
+def matvec_us(dtype: torch.dtype) -> float:
+    """µs per decode-sized matrix-vector product in `dtype` on this CPU (best of 3 short runs)."""
+    weight, x = torch.randn(_SHAPE, dtype=dtype), torch.randn(1, _SHAPE[1], dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(10):
+            torch.nn.functional.linear(x, weight)
+        best = min(best, (time.perf_counter() - start) / 10)
+    return best * 1e6
