@@ -23,7 +23,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,8 +67,9 @@ def drive(args: argparse.Namespace) -> dict:
         from celerytp.core.model_files import default_model_path
         from celerytp.core.tokenizer import load_tokenizer
     except ImportError:  # the old tree's layout
-        from celerytp.loading import default_model_path
         from celerytp.tokenizer import load_tokenizer
+
+        from celerytp.loading import default_model_path
 
     tokenizer = load_tokenizer(default_model_path())
     corpus = tokenizer.encode(TEXT * 40)

@@ -1,6 +1,6 @@
 """The serving loop's fixed cost per step: everything a step spends around a model that costs nothing.
 
-Run: python benchmarks/step_cost.py [--tp 1 2] [--batch 1 16] [--tokens 200] [--tree PATH ...]
+Run: python benchmarks/step_cost.py [--tp 1 2] [--batch 1 16] [--tokens 200] [--model tiny] [--tree PATH ...]
 
 A random 2-layer, 64-wide llama with SmolLM2's 49,152-token vocabulary (and its tokenizer) goes
 through a LocalCluster; `batch` greedy streaming requests (ignore_eos) run together and the time
@@ -8,7 +8,8 @@ per step is each row's decode time over its tokens (median of rows). With the mo
 made this small, what is left is the loop: the plan on the control group, the logits' collectives,
 sampling, bookkeeping and Redis. `--tree` runs the same measurement on other checkouts (e.g. a
 `git worktree` of an older commit) in the same run, one after the other, so the ratios hold on a
-noisy machine. With CELERYTP_STEP_PROFILE=1 (set here) rank 0 also reports where a step's time
+noisy machine. `--model smol-f32` / `smol` run the shipped model instead (float32 / Q4_1 kept):
+output tokens/s of 16 streams against one. With CELERYTP_STEP_PROFILE=1 (set here) rank 0 also reports where a step's time
 went, in µs per step (`profile_us`, serving stats).
 """
 
@@ -55,16 +56,21 @@ def drive(args: argparse.Namespace) -> dict:
         with LocalCluster(world_size=tp, group=f"stepcost{tp}", model_roots=[str(work)],
                           env={"CELERYTP_STEP_PROFILE": "1"}) as cluster:
             leader = cluster.leader
-            leader.load("tiny", str(path), max_batch=max(args.batch), idle_s=2.0)
+            if args.model == "tiny":
+                leader.load("tiny", str(path), max_batch=max(args.batch), idle_s=2.0)
+            else:  # the shipped model, as float32 or as it ships (Q4_1 kept)
+                leader.load("tiny", None, max_batch=max(args.batch), idle_s=2.0, quant="f32" if args.model == "smol-f32" else None)
             leader.generate("tiny", prompt="warm up", max_tokens=8)
             for batch in args.batch:
+                time.sleep(3)  # past idle_s: a new loop, whose profile covers this batch alone
                 spec = dict(max_tokens=args.tokens, temperature=0, ignore_eos=True, stop=args.stop or None)
                 with ThreadPoolExecutor(batch) as pool:
                     results = list(pool.map(lambda i: _run(leader, f"Row {i} says", spec), range(batch)))
                 per_step = statistics.median(r.decode_s / max(1, r.completion_tokens - 1) for r in results)
                 stats = leader.serving_stats("tiny")
                 profile = {k[len("profile_us_"):]: v for k, v in stats.items() if k.startswith("profile_us_")}
-                report[f"tp{tp}_b{batch}"] = {"step_ms": round(per_step * 1000, 3), "profile_us": breakdown(profile)}
+                report[f"tp{tp}_b{batch}"] = {"step_ms": round(per_step * 1000, 3), "tokens_per_s": round(batch / per_step, 1),
+                                              "profile_us": breakdown(profile)}
     return report
 
 
@@ -96,6 +102,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries")
+    parser.add_argument("--model", choices=["tiny", "smol-f32", "smol"], default="tiny",
+                        help="the tiny model (fixed cost), or the shipped model as float32 or as it ships")
     parser.add_argument("--tree", nargs="*", default=[], help="other checkouts to measure in the same run")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -105,7 +113,7 @@ def main() -> None:
     out = {}
     for tree in [ROOT, *map(Path, args.tree)]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--drive", "--tp", *map(str, args.tp),
-               "--batch", *map(str, args.batch), "--tokens", str(args.tokens)] + (["--stop", *args.stop] if args.stop else [])
+               "--batch", *map(str, args.batch), "--tokens", str(args.tokens), "--model", args.model] + (["--stop", *args.stop] if args.stop else [])
         started = time.perf_counter()
         run = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
         if run.returncode:
@@ -113,7 +121,7 @@ def main() -> None:
         out[str(tree)] = json.loads(run.stdout.strip().splitlines()[-1])
         print(f"{tree} ({time.perf_counter() - started:.0f} s)")
         for key, figures in out[str(tree)].items():
-            print(f"  {key}: {figures['step_ms']:.2f} ms/step  {figures['profile_us']}")
+            print(f"  {key}: {figures['step_ms']:.2f} ms/step {figures['tokens_per_s']:.0f} tok/s  {figures['profile_us']}")
     print(json.dumps(out))
 
 

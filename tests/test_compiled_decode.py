@@ -70,12 +70,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list
     return str(path), [make_prompt(vocab, 7, seed=1), make_prompt(vocab, 4, seed=2)]
 
 
-def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]]]) -> None:
+def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]]], monkeypatch) -> None:
     path, prompts = checkpoint
-    try:
-        _check(eager_and_compiled(path, TPContext(), prompts))
-    finally:
-        os.environ.pop(COMPILE_ENV, None)
+    monkeypatch.setenv(COMPILE_ENV, "0")  # restored afterwards: the suite's setting (tests/conftest.py)
+    _check(eager_and_compiled(path, TPContext(), prompts))
 
 
 def _rank(rank: int, path: str, prompts: list[list[int]], init_file: str, out_dir: str) -> None:

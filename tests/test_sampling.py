@@ -179,7 +179,7 @@ def test_sampling_from_top_candidates_draws_what_the_whole_logits_give() -> None
     (SamplingParams(), False, CANDIDATES),
     (SamplingParams(temperature=0.7, top_k=50), False, CANDIDATES),
     (SamplingParams(temperature=1.0), False, SLICE_DRAW),  # over the whole vocabulary
-    (SamplingParams(temperature=1.0, top_k=TOP_P_PREFILTER + 1), False, SLICE_DRAW),
+    (SamplingParams(temperature=1.0, top_k=TOP_P_PREFILTER + 1), False, WHOLE),  # past the candidates
     (SamplingParams(temperature=1.0, top_p=0.9), False, WHOLE),  # a nucleus may reach past the candidates
     (SamplingParams(repetition_penalty=1.1), False, WHOLE),
     (SamplingParams(logprobs=2), True, WHOLE),  # a replayed token's log-probability
@@ -206,10 +206,9 @@ def test_drawing_in_slices_samples_the_whole_vocabulary_distribution(ranks: int)
     """Rank r's slice is kept with its mass, then its own draw: every token with its probability."""
     torch.manual_seed(0)
     logits = torch.randn(1, 40) * 2
-    params = SamplingParams(temperature=0.8)
-    counts = torch.zeros(40)
-    for _ in range(20000):
-        counts[_draw_over_slices(logits, 0.8, ranks, [RowSampler.create(params, 40)], 0)[0]] += 1
+    draws = 20000  # as many rows in one batch: one draw each
+    rows = [RowSampler.create(SamplingParams(temperature=0.8), 40)] * draws
+    counts = torch.bincount(torch.tensor(_draw_over_slices(logits.expand(draws, -1), 0.8, ranks, rows, 0)), minlength=40)
     expected = torch.softmax(logits[0] / 0.8, -1)
     assert (counts / counts.sum() - expected).abs().max() < 0.01
 

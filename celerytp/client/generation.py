@@ -202,7 +202,7 @@ class TokenStream:
             yield rest
 
     def close(self) -> None:
-        """Stop following the request and cancel it (its row frees within a step)."""
+        """Stop following the request and cancel it (its row frees within a few steps)."""
         if self._events is not None:
             self._events.close()
         elif self.result is None:

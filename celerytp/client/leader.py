@@ -277,7 +277,7 @@ class Leader:
 
     def cancel(self, request_id: str) -> None:
         """Cancel a fused request, from any leader: a queued one never runs, a running one stops
-        within a step. It ends as "cancelled"."""
+        within a few steps. It ends as "cancelled"."""
         self._queues.cancel(request_id)
 
     @broker_errors

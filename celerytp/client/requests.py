@@ -99,7 +99,7 @@ class RequestQueues:
             raise
 
     def cancel(self, request_id: str) -> None:
-        """Cancel a request: a queued one never runs, a running one stops within a step.
+        """Cancel a request: a queued one never runs, a running one stops within a few steps.
 
         A request this leader submitted is taken off the queue at once (with its done record);
         any other is stopped by its rank 0, which sees the cancel key when it takes or steps it.
@@ -159,7 +159,7 @@ class RequestQueues:
             raise unavailable(exc) from None
         finally:
             # Abandoned (the caller stopped iterating, was interrupted, or its wait failed): cancel it,
-            # so its row frees within a step. The cancel key is left to its TTL: rank 0 reads it later.
+            # so its row frees within a few steps. The cancel key is left to its TTL: rank 0 reads it later.
             self._followed_end(request_id, key, abandoned=not finished)
 
     def _ensure_taken(self, model_id: str, request_id: str, item: str) -> bool:

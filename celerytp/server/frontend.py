@@ -88,7 +88,7 @@ def cancel_when_abandoned(
 ) -> None:
     """Cancel the task's request when the task is revoked (with or without terminate: the threads
     pool cannot kill a running task, but either way the id joins the worker's revoked set) or
-    expires while it runs; its row frees within a step. `why` gets "revoked" or "expired"."""
+    expires while it runs; its row frees within a few steps. `why` gets "revoked" or "expired"."""
     deadline = _as_datetime(expires)
     while not done.wait(ABANDON_POLL_S):
         revoked = task_id in worker_state.revoked

@@ -40,6 +40,7 @@ from celerytp.worker.serving import Events, Finished
 log = logging.getLogger(__name__)
 
 STREAM_TTL_S = 600  # a finished request's stream outlives any sane wait for it, then goes
+STATS_S = 0.1  # a busy loop's stats are written at most this often (and whenever its running rows change)
 LOOP_TTL_S = 10  # the loop flag (the lease on its in-flight requests), renewed every step
 BLOCK_S = 0.2  # an idle loop blocks on the queue this long at a time, then looks for other ops
 YIELD_CHECK_S = 0.05  # how often a busy rank 0 looks for other ops waiting in its queue
@@ -81,6 +82,8 @@ class RedisRequestSource:
         self._yield = False
         self._leased = False  # between start and release: every publish renews the lease
         self._queued: int | None = None  # the queue's length at the last write (None: unknown)
+        self._ttl_set: dict[str, float] = {}  # request id -> when its stream's TTL was last set (once, not per token)
+        self._stats_written: tuple[float, int | None] = (0.0, None)  # when, with how many running rows
         self._publisher: Publisher[tuple[Events, list[str], dict[str, int]]] | None = None
 
     def start(self) -> None:
@@ -235,6 +238,11 @@ class RedisRequestSource:
         """The publisher thread's write: every waiting step's events in one round trip."""
         events = Events([t for e, _, _ in batches for t in e.tokens], [f for e, _, _ in batches for f in e.finished])
         stats = next((s for _, _, s in reversed(batches) if s), {})
+        now, (written_at, rows) = time.monotonic(), self._stats_written
+        if stats and stats.get("running_rows") == rows and now - written_at < STATS_S:
+            stats = {}  # observers see a change of rows at once, the counters within STATS_S
+        elif stats:
+            self._stats_written = (now, stats.get("running_rows"))
         return self._publish_now(events, batches[-1][1], stats)
 
     def _publish_now(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
@@ -245,12 +253,16 @@ class RedisRequestSource:
         pipe = self._redis.pipeline(transaction=False)
         for spec, token, index in events.tokens:
             pipe.xadd(stream_key(spec.request_id), StreamRecord.of_token(token, index).to_fields())
+        now = time.monotonic()
+        for request_id in {spec.request_id for spec, _, _ in events.tokens}:
+            if now - self._ttl_set.get(request_id, float("-inf")) > STREAM_TTL_S / 2:
+                pipe.expire(stream_key(request_id), STREAM_TTL_S)
+                self._ttl_set[request_id] = now
         for spec, finished in events.finished:
             record = StreamRecord.of_error(finished.error) if finished.error else StreamRecord.of_result(finished.result)
             _finish_stream(pipe, spec.request_id, record)
             self._forget(pipe, spec.request_id)
-        for key in {stream_key(spec.request_id) for spec, _, _ in events.tokens}:
-            pipe.expire(key, STREAM_TTL_S)
+            self._ttl_set.pop(spec.request_id, None)
         if stats:
             pipe.hset(self._stats, mapping=stats)
             pipe.expire(self._stats, 3600)

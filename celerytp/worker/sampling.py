@@ -81,7 +81,7 @@ def sample_candidates(values: torch.Tensor, ids: torch.Tensor, rows: list[RowSam
 # How the serving loop samples a row from the ranks' vocabulary slices (worker/serving.py `_scores`).
 CANDIDATES = "candidates"  # from the top candidates the ranks send: greedy, top_k <= 1024
 SLICE_DRAW = "slice_draw"  # each rank draws in its slice, rank 0 picks a slice: the whole vocabulary
-WHOLE = "whole"  # the whole logits gathered: top_p alone, a repetition penalty, a replayed token's logprob
+WHOLE = "whole"  # the whole logits gathered: top_p alone, top_k > 1024, a penalty, a replayed token's logprob
 
 
 def slice_mode(params: SamplingParams, replayed: bool = False) -> str:
@@ -91,7 +91,7 @@ def slice_mode(params: SamplingParams, replayed: bool = False) -> str:
         return WHOLE
     if params.greedy or 0 < params.top_k <= TOP_P_PREFILTER:
         return CANDIDATES
-    return WHOLE if params.top_p < 1 else SLICE_DRAW
+    return SLICE_DRAW if params.top_k == 0 and params.top_p == 1 else WHOLE
 
 
 def slice_uniforms(rows: list[tuple[int | None, int]], rank: int) -> torch.Tensor:

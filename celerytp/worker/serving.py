@@ -5,8 +5,10 @@ next or that the row is done, and the requests admitted into free cache rows (wi
 of their prompt a row already holds). Then every rank runs the same forwards: one decode over
 the first R cache rows (finished or free rows ride along masked, no cache is copied) and
 prompt chunks of admitted rows up to a per-step token budget, so a long prompt never stalls
-running streams for its whole prefill. Rank 0 alone talks to Redis and samples; whatever it
-does alone that fails travels in the next plan as an abort, so no rank is left in a collective.
+running streams for its whole prefill. The ranks then exchange what sampling needs from their
+vocabulary slices, not the logits (`_scores`). Rank 0 alone talks to Redis (through a publisher
+thread, worker/publisher.py) and samples; whatever it does alone that fails travels in the next
+plan as an abort, so no rank is left in a collective.
 """
 
 from __future__ import annotations
@@ -401,10 +403,11 @@ class ServingLoop:
         seq.fed = end
 
     def _scores(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> Scores | None:
-        """Every rank: join the rows' vocabulary slices as rank 0's sampling needs them. Usually
-        each rank sends only its top candidates per row (ParallelLMHead.top_candidates); the
-        whole logits travel only when a row samples over the whole vocabulary. Every rank
-        decides the same way, from the rows' parameters that every rank holds."""
+        """Every rank: join the rows' vocabulary slices as rank 0's sampling needs them, in one
+        collective: each rank's top candidates per row (ParallelLMHead.top_candidates) and its
+        own draws for rows drawn over the whole vocabulary; the whole logits only in a step where
+        a row needs them (worker/sampling.py `slice_mode`). Every rank decides the same way, from
+        the rows' parameters that every rank holds."""
         if not sampled:
             return None
         seqs = [seq for seq, _ in sampled]
