@@ -9,20 +9,18 @@ import torch
 
 from celerytp.core.sampling import SamplingParams
 from celerytp.worker.sampling import (
+    CANDIDATES,
+    SLICE_DRAW,
     TOP_P_PREFILTER,
+    WHOLE,
     RowSampler,
     apply_repetition_penalty,
     candidate_probs,
-    CANDIDATES,
-    SLICE_DRAW,
-    WHOLE,
-    draw_in_slice,
+    draw_over_shards,
     make_generator,
-    pick_slices,
     sample_candidates,
     sample_rows,
     slice_mode,
-    slice_uniforms,
     token_logprob,
     top_logprobs,
 )
@@ -192,13 +190,9 @@ def test_how_each_row_is_sampled_from_vocabulary_slices(params: SamplingParams, 
 def _draw_over_slices(logits: torch.Tensor, temperature: float, ranks: int, rows: list[RowSampler], index: int) -> list[int]:
     """What the serving loop does for SLICE_DRAW rows: every rank draws in its slice, rank 0 keeps one."""
     bounds = torch.linspace(0, logits.shape[1], ranks + 1).long().tolist()
-    per_rank = []
-    for rank, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        u = slice_uniforms([(row.params.seed, index) for row in rows], rank)
-        per_rank.append(draw_in_slice(logits[:, start:end], torch.full((len(rows),), temperature), u, start))
-    draws = torch.stack(per_rank, 1)  # (S, N, 3)
-    kept = pick_slices(draws[..., 0], rows)
-    return [int(draws[i, r, 1]) for i, r in enumerate(kept)]
+    shards = [(start, end - start) for start, end in zip(bounds, bounds[1:])]
+    assert all(row.params.temperature == temperature for row in rows)
+    return draw_over_shards(logits, rows, [index] * len(rows), shards)
 
 
 @pytest.mark.parametrize("ranks", [1, 3])

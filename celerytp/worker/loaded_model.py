@@ -24,6 +24,7 @@ class LoadedModel:
     idle_s: float = 1.0  # a serving loop with no work ends after this
     history: list[int] = field(default_factory=list)  # step mode's tokens in its row (repetition penalty)
     step_sampler: RowSampler | None = None  # rank 0: step mode's sampling state
+    step_draws: int = 0  # rank 0: tokens step mode's sampler has drawn (seeds its slice draws)
     row_tokens: dict[int, list[int]] = field(default_factory=dict)  # served rows: tokens in each (prefix reuse)
     tokenizer: Tokenizer | None = None  # rank 0: read and checked at load (stop strings); None: ids only
 

@@ -21,7 +21,15 @@ from celerytp.models import load_model
 from celerytp.models.half_precision import check_half_precision
 from celerytp.quant.plan import quant_summary
 from celerytp.worker.loaded_model import LoadedModel, release_memory
-from celerytp.worker.sampling import RowSampler, sample_rows, token_logprob, top_logprobs
+from celerytp.worker.sampling import (
+    SLICE_DRAW,
+    RowSampler,
+    draw_over_shards,
+    sample_rows,
+    slice_mode,
+    token_logprob,
+    top_logprobs,
+)
 from celerytp.worker.state import RankState, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -192,13 +200,18 @@ def step(state: RankState, request: p.StepRequest) -> p.StepResult:
     sampler = entry.step_sampler
     if sampler is None or sampler.params != params:  # a new sequence, or new parameters: start over
         sampler = entry.step_sampler = RowSampler.create(params, model.config.vocab_size, entry.history)
+        entry.step_draws = 0
     entry.history.extend(request.tokens)
     for token in request.tokens:
         sampler.saw(token)
     if not request.sample:
         return reply
     last = logits[-1].float()  # (vocab,)
-    token = sample_rows(last[None], [sampler])[0]
+    if slice_mode(params) == SLICE_DRAW:  # as the serving loop draws it, so both modes agree
+        token = draw_over_shards(last[None].cpu(), [sampler], [entry.step_draws], model.lm_head.shards)[0]
+    else:
+        token = sample_rows(last[None], [sampler])[0]
+    entry.step_draws += 1
     return reply.model_copy(
         update={
             "token": token,

@@ -126,6 +126,22 @@ def pick_slices(slice_lse: torch.Tensor, rows: list[RowSampler]) -> list[int]:
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=slice_lse.shape[1] - 1)[:, 0].tolist()
 
 
+def draw_over_shards(
+    logits: torch.Tensor, rows: list[RowSampler], indices: list[int], shards: list[tuple[int, int]]
+) -> list[int]:
+    """SLICE_DRAW rows sampled from whole logits (B, V) exactly as the ranks' slice draws and rank
+    0's pick would (step mode, and what the serving loop's exchange computes): `indices` are the
+    tokens' indices in their completions, `shards` every rank's (start, count)."""
+    temperature = torch.tensor([row.params.temperature for row in rows])
+    per_rank = [
+        draw_in_slice(logits[:, start : start + count], temperature,
+                      slice_uniforms([(row.params.seed, i) for row, i in zip(rows, indices)], rank), start)
+        for rank, (start, count) in enumerate(shards)
+    ]
+    draws = torch.stack(per_rank, 1)  # (B, N, 3)
+    return [int(draws[b, rank, 1]) for b, rank in enumerate(pick_slices(draws[..., 0], rows))]
+
+
 def _draw(scores: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None, rows: list[RowSampler]) -> list[int]:
     """tokens (B,) hold each row's most likely token; rows that sample replace theirs with a draw
     from `scores` (B, V or K; the token of column j is `ids[:, j]`, or j itself when ids is None)."""

@@ -415,9 +415,9 @@ class ServingLoop:
         forced = [seq.forced.pop(0) if seq.forced else None for seq in seqs]
         modes = [slice_mode(seq.params, f is not None) for seq, f in zip(seqs, forced)]
         drawing = [i for i, (mode, f) in enumerate(zip(modes, forced)) if mode == SLICE_DRAW and f is None]
+        extra = self._slice_draws(seqs, local, drawing) if drawing else None
         for i, f in enumerate(forced):
             seqs[i].sampled += f is None
-        extra = self._slice_draws(seqs, local, drawing) if drawing else None
         if WHOLE in modes:
             logits, draws = self.model.gather_logits(local, extra)
             return Scores(seqs, forced, logits=logits.cpu(), slice_draws=_cpu(draws), drawing=drawing)
