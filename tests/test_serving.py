@@ -68,17 +68,33 @@ def test_greedy_tokens_alone_joining_midway_and_beside_15_others(which, request)
 def test_a_seeded_draw_over_the_whole_vocabulary_is_the_same_whatever_shares_its_batch(tp2):
     """Temperature alone: every rank draws in its vocabulary slice and rank 0 keeps one rank's draw
     (no logits gathered). Beside a row that needs the whole logits gathered (a repetition penalty),
-    the same draw is made from the gathered logits: the same tokens."""
+    the same draw is made from the slices: the same tokens as beside a greedy row. Both pairs are
+    queued before the loop starts, so they run in the same batch shapes (bit-equal logits)."""
     seeded = dict(prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
-    alone = tp2.generate("smol", **seeded).token_ids
-    with ThreadPoolExecutor(3) as pool:
-        beside = pool.submit(tp2.generate, "smol", **seeded)
-        others = [pool.submit(tp2.generate, "smol", prompt="Say", max_tokens=12, temperature=0.9,
-                              repetition_penalty=1.2, ignore_eos=True),
-                  pool.submit(tp2.generate, "smol", prompt="Count", max_tokens=12, temperature=1.0, ignore_eos=True)]
-        assert all(len(f.result(120).token_ids) == 12 for f in others)
-    assert beside.result().token_ids == alone
-    assert tp2.generate("smol", **dict(seeded, seed=4)).token_ids != alone
+    flag = loop_key(tp2.group, "smol")
+
+    def beside(other: dict) -> list[int]:
+        tp2.clear_kv_cache("smol")  # no prefix reuse: both runs prefill alike
+        _hold(tp2, flag)
+        with ThreadPoolExecutor(2) as pool:
+            mine = pool.submit(tp2.generate, "smol", **seeded)
+            _wait_queued(tp2, 1)
+            theirs = pool.submit(tp2.generate, "smol", prompt="Once upon a day", max_tokens=12, ignore_eos=True, **other)
+            _wait_queued(tp2, 2)
+            tp2.redis.delete(flag)  # the waiters start a loop, which takes both at once
+            assert len(theirs.result(120).token_ids) == 12
+            return mine.result(120).token_ids
+
+    tokens = beside(dict(temperature=0))
+    assert beside(dict(temperature=0.9, repetition_penalty=1.2)) == tokens
+    assert tp2.generate("smol", **dict(seeded, seed=4)).token_ids != tokens
+
+
+def _wait_queued(leader, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while leader.redis.llen(queue_key("smol")) < count:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 def test_a_short_request_overtakes_a_long_one_and_a_running_one_cancels(tp2):

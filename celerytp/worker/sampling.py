@@ -111,7 +111,9 @@ def draw_in_slice(local: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     """Each row's draw from softmax(local / temperature) over this rank's slice (D, V_local), by
     inverse CDF in id order: (D, 3) of the slice's log-sum-exp at that temperature (its mass, for
     `pick_slices`), the drawn global id and its raw logit (for its log-probability)."""
-    x = local.float() / temperature.clamp(min=1e-5)[:, None]
+    # float64: a float32 running sum over a slice of ~25k tokens drifts by ~1e-5, enough to move a
+    # tail token's boundary past the uniform when the logits differ in their last bits
+    x = local.double() / temperature.double().clamp(min=1e-5)[:, None]
     cdf = torch.softmax(x, -1).cumsum(-1)
     at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=local.shape[1] - 1)  # (D, 1)
     return torch.cat([torch.logsumexp(x, -1, keepdim=True), (at + start).float(), local.gather(1, at).float()], -1)
@@ -121,8 +123,8 @@ def pick_slices(slice_lse: torch.Tensor, rows: list[RowSampler]) -> list[int]:
     """Rank 0: which rank's draw each row keeps, rank r with probability exp(lse_r) / sum (D, N).
     A token i of slice r is then kept with probability (m_r / M) (p_i / m_r) = p_i / M: an exact
     draw over the whole vocabulary, one uniform of the row's generator per token, as sample_rows."""
-    u = torch.cat([torch.rand(1, generator=row.generator) for row in rows])
-    cdf = torch.softmax(slice_lse, -1).cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=row.generator) for row in rows]).double()
+    cdf = torch.softmax(slice_lse.double(), -1).cumsum(-1)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=slice_lse.shape[1] - 1)[:, 0].tolist()
 
 

@@ -434,7 +434,7 @@ class ServingLoop:
         u = slice_uniforms(keys, self.control.rank).to(local.device)
         temperature = torch.tensor([seqs[i].params.temperature for i in drawing], device=local.device)
         extra = local.new_zeros(len(seqs), 3)
-        extra[drawing] = draw_in_slice(local[drawing], temperature, u, self.model.vocab_start)
+        extra[drawing] = draw_in_slice(local[drawing], temperature, u, self.model.vocab_start).to(extra.dtype)
         return extra
 
     # ---- rank 0: sampling and stopping ---------------------------------------------------
