@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +83,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Job, Gree
     return out
 
 
-def _rank_main(rank: int, world_size: int, init_file: str, jobs: list[Job], use_shm: bool, out_dir: str) -> None:
+def _rank_main(rank: int, world_size: int, init_file: str, work: Callable[[TPContext], dict], use_shm: bool,
+               out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ[KERNEL_ENV] = "dequant"  # exact q8_0 (weights dequantized once), so TP=1 and TP=N compare tightly
     out = Path(out_dir) / f"rank{rank}.pt"
@@ -91,11 +94,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, jobs: list[Job], use_
         )
         if use_shm:
             assert shm.attach(f"vocab{os.getppid()}", "t", rank, world_size, 120.0) is not None
-        tp = TPContext(rank, world_size)
-        results = {}
-        for job in jobs:
-            r = run_job(job, tp)
-            results[job.name] = (r.greedy, r.shapes)
+        results = work(TPContext(rank, world_size))
         shm.detach()
         dist.destroy_process_group()
         torch.save(results, out)
@@ -104,9 +103,14 @@ def _rank_main(rank: int, world_size: int, init_file: str, jobs: list[Job], use_
         raise
 
 
-def _run_ranks(world_size: int, jobs: list[Job], use_shm: bool, workdir: Path) -> list[dict]:
+def _run_jobs(jobs: list[Job], tp: TPContext) -> dict:
+    return {job.name: (result.greedy, result.shapes) for job in jobs for result in [run_job(job, tp)]}
+
+
+def _run_ranks(world_size: int, work: Callable[[TPContext], dict], use_shm: bool, workdir: Path) -> list[dict]:
+    """`work` on `world_size` spawned ranks of one gloo group (and shared memory); each rank's result."""
     ctx = mp.get_context("spawn")
-    args = (world_size, str(workdir / "pg"), jobs, use_shm, str(workdir))
+    args = (world_size, str(workdir / "pg"), work, use_shm, str(workdir))
     procs = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -136,7 +140,7 @@ def test_tensor_parallel_matches_transformers(
 ) -> None:
     jobs = [job for job, _ in cases.values()]
     quantized = Job("llama_untied_q8", cases["llama_untied"][0].path, cases["llama_untied"][0].prompt, quant="q8_0")
-    per_rank = _run_ranks(world_size, [*jobs, quantized], use_shm, tmp_path)
+    per_rank = _run_ranks(world_size, partial(_run_jobs, [*jobs, quantized]), use_shm, tmp_path)
     shards = vocab_shards(TPContext(0, world_size), VOCAB)
     assert sum(count for _, count in shards) == VOCAB and len({count for _, count in shards}) == 2  # uneven
     monkeypatch.setenv(KERNEL_ENV, "dequant")
@@ -151,27 +155,13 @@ def test_tensor_parallel_matches_transformers(
         assert_matches(results["llama_untied_q8"][0], tp1_q8, f"q8_0 lm_head rank {rank}/{world_size}")
 
 
-def _candidates_main(rank: int, world_size: int, init_file: str, use_shm: bool, out_dir: str) -> None:
-    out = Path(out_dir) / f"rank{rank}.pt"
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-        )
-        if use_shm:
-            assert shm.attach(f"cand{os.getppid()}", "t", rank, world_size, 60.0) is not None
-        tp = TPContext(rank, world_size)
-        head = ParallelLMHead(8, VOCAB, tp, dtype=torch.float32, device=torch.device("cpu"))
-        logits = _candidate_logits()
-        local = logits[:, head.start : head.start + head.count]
-        results = {k: head.top_candidates(local.clone(), k)[:3] for k in (1, 7, 40)}
-        extra = torch.full((5, 2), float(rank))  # rides along: every rank's, in rank order
-        results["extra"] = head.top_candidates(local.clone(), 3, extra)[3]
-        torch.save(results, out)
-        shm.detach()
-        dist.destroy_process_group()
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out)
-        raise
+def _candidates(tp: TPContext) -> dict:
+    head = ParallelLMHead(8, VOCAB, tp, dtype=torch.float32, device=torch.device("cpu"))
+    local = _candidate_logits()[:, head.start : head.start + head.count]
+    results = {k: head.top_candidates(local.clone(), k)[:3] for k in (1, 7, 40)}
+    extra = torch.full((5, 2), float(tp.rank))  # rides along: every rank's, in rank order
+    results["extra"] = head.top_candidates(local.clone(), 3, extra)[3]
+    return results
 
 
 def _candidate_logits() -> torch.Tensor:
@@ -184,20 +174,10 @@ def test_top_candidates_from_slices_equal_the_top_of_the_whole_logits(world_size
     """What the serving loop samples from instead of gathering the logits: every rank gets each
     row's k largest logits over the whole vocabulary (for k = 1 the lowest id of equal maxima,
     argmax's choice) and the log-sum-exp over the whole vocabulary."""
-    ctx = mp.get_context("spawn")
-    args = (world_size, str(tmp_path / "pg"), use_shm, str(tmp_path))
-    procs = [ctx.Process(target=_candidates_main, args=(r, *args), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
+    per_rank = _run_ranks(world_size, _candidates, use_shm, tmp_path)
     logits = _candidate_logits()
     order = torch.sort(-logits, stable=True)
-    for rank in range(world_size):
-        data = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        assert "error" not in data, data.get("error")
+    for rank, data in enumerate(per_rank):
         assert torch.equal(data.pop("extra"), torch.arange(world_size).float()[None, :, None].expand(5, -1, 2))
         for k, (values, ids, lse) in data.items():
             assert torch.equal(values, -order.values[:, :k]), (rank, k)
