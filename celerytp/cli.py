@@ -116,8 +116,13 @@ def leader_for(args: argparse.Namespace) -> Iterator:
     if args.broker:
         yield Leader(args.broker, args.group, args.tp)
         return
+    from celerytp.models.compiled import COMPILE_ENV
+
     print(f"starting a local cluster of {args.tp} rank(s)...", file=sys.stderr)
-    with LocalCluster(world_size=args.tp, model_roots=getattr(args, "model_roots", None)) as cluster:
+    # One request on fresh workers: compiling decode would take longer than the decode it speeds
+    # up, so these decode eagerly unless CELERYTP_COMPILE says otherwise (`serve` compiles).
+    env = {} if COMPILE_ENV in os.environ else {COMPILE_ENV: "0"}
+    with LocalCluster(world_size=args.tp, model_roots=getattr(args, "model_roots", None), env=env) as cluster:
         yield cluster.leader
 
 
