@@ -421,7 +421,8 @@ class ServingLoop:
         if WHOLE in modes:
             logits, draws = self.model.gather_logits(local, extra)
             return Scores(seqs, forced, logits=logits.cpu(), slice_draws=_cpu(draws), drawing=drawing)
-        k = max(1, *(seq.params.top_k for seq in seqs), *(seq.params.logprobs for seq in seqs))
+        # a greedy row's top_k is moot: only sampling rows and logprobs widen the candidates
+        k = max(1, *(s.params.top_k for s in seqs if not s.params.greedy), *(s.params.logprobs for s in seqs))
         values, ids, lse, draws = self.model.top_candidates(local, k, extra)
         return Scores(seqs, forced, values=values.cpu(), ids=ids.cpu(), lse=lse.cpu(), slice_draws=_cpu(draws),
                       drawing=drawing)
