@@ -191,5 +191,5 @@ def test_impossible_splits_fail_at_load(llama_dir: Path, tmp_path: Path) -> None
     path = write_gguf(make_hf_model(model_type, kwargs, 3), tmp_path / "q.gguf", {"": gguf.GGMLQuantizationType.Q8_0})
     _, fallbacks = quant_summary(load_model(path, TPContext(0, 4)))
     assert fallbacks and all("q8_0 ->" in f for f in fallbacks), fallbacks
-    with pytest.raises(CeleryTPError, match="max_context 129 must be within 1..max_position_embeddings 128"):
+    with pytest.raises(CeleryTPError, match=r"max_context 129 must be within 1..128 \(max_position_embeddings 128\)"):
         load_model(llama_dir, TPContext(), max_context=129)

@@ -110,3 +110,19 @@ def test_kept_quantized_matches_transformers(cases: dict[str, Case], name: str, 
     case = cases[name]
     result = run_job(Job(name, str(case.path), case.prompt, quant=None), TPContext())
     assert_matches(result.greedy, case.reference, name)
+
+
+def test_metadata_contradicting_a_tensor_is_load_failed_naming_it(tmp_path: Path) -> None:
+    """A GGUF whose feed_forward_length says 64 while its MLP tensors have 96 rows: the load
+    stops with load_failed naming the first tensor that disagrees, before any model runs."""
+    from celerytp.core.errors import CeleryTPError
+    from celerytp.models import load_model
+
+    model_type, kwargs = GGUF_CONFIGS["qwen3"]
+    model = make_hf_model(model_type, kwargs, seed=3)
+    model.config.intermediate_size = 64  # what write_gguf records; the tensors keep 96
+    path = write_gguf(model, tmp_path / "lying.gguf")
+    with pytest.raises(CeleryTPError) as info:
+        load_model(path, TPContext())
+    assert info.value.kind == "load_failed"
+    assert "model.layers.0.mlp." in str(info.value) and "(96, 64)" in str(info.value), info.value

@@ -138,7 +138,7 @@ def test_bad_loads_are_typed_and_load_nothing(cluster, tiny_llama, tmp_path):
     junk = root / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\0" * 64)
     cases = [
-        (gpt2, ErrorKind.UNSUPPORTED_ARCH, "gpt2"),
+        (gpt2, ErrorKind.UNSUPPORTED_ARCH, "'gpt2' is not one of llama, qwen3, "),
         (root / "missing", ErrorKind.UNSUPPORTED_ARCH, "no such path"),
         (junk, ErrorKind.LOAD_FAILED, ""),
         (tmp_path, ErrorKind.BAD_REQUEST, "outside the model roots"),

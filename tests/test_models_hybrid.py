@@ -350,7 +350,8 @@ def test_hub_style_configs_parse() -> None:
     """config.json as the Hub checkpoints write it (abridged): Qwen3-Next without layer_types
     (full_attention_interval, top-level partial_rotary_factor and rope_theta), and Qwen3.5's
     multimodal config with the text model under text_config and M-RoPE parameters."""
-    from celerytp.models.hybrid_config import HybridConfig, config_from_hf
+    from celerytp.models.architectures import config_from_hf
+    from celerytp.models.hybrid_config import HybridConfig
 
     linear = dict(
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,

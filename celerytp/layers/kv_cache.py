@@ -80,6 +80,13 @@ class CacheSlots:
             active=None if len(live) == len(positions) else on,
         )
 
+    def window_mask(self, window: int) -> torch.Tensor:
+        """This forward's mask with keys `window` or more positions behind their query hidden too
+        (transformers' sliding window: key j is seen from position p when p - window < j <= p)."""
+        keys = torch.arange(self.length, device=self.positions.device)  # (L,)
+        recent = (keys[None, None] > self.positions[:, :, None] - window)[:, None]  # (B, 1, T, L)
+        return recent if self.mask is None else recent & self.mask
+
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros whose CPU pages are only touched when written (an anonymous mapping), so a cache

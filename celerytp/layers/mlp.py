@@ -1,6 +1,8 @@
-"""The SwiGLU MLP of every architecture here (llama, qwen3, and the hybrids' dense and shared experts)."""
+"""The gated MLP of every architecture here (SwiGLU; GeGLU for gemma3), and the hybrids' shared experts."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -12,12 +14,16 @@ from celerytp.layers.partition import split_intermediate
 from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import mlp_block
 
+# config.json's hidden_act -> the function applied to the gate.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate/up column-parallel and down row-parallel.
+    """down(act(gate(x)) * up(x)) with gate/up column-parallel and down row-parallel.
 
     Args:
         bias: gate/up/down carry biases (llama's `mlp_bias`).
+        activation: a key of ACTIVATIONS (silu: SwiGLU).
         reduce_results: all-reduce in forward; False when the caller sums it with other
             partial outputs first (the MoE block's shared expert).
         quant: keep the weights quantized as this plan says.
@@ -37,8 +43,10 @@ class SwiGLUMLP(nn.Module):
         reduce_results: bool = True,
         quant: QuantPlan | None = None,
         block: int | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         block = block if block is not None else mlp_block(1, quant, intermediate_size, tp.world_size)
         local = split_intermediate(tp.rank, tp.world_size, intermediate_size, block)
         common = {"dtype": dtype, "device": device, "bias": bias, "quant": quant}
@@ -51,4 +59,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., I_local) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -1,7 +1,8 @@
 """Single-file GGUF checkpoints: metadata as an HF config, block-aligned slice reads.
 
 llama and qwen3 are translated here, the hybrid architectures (qwen3next, qwen35, qwen35moe) by
-gguf_hybrid.py on top of GGUFSource (gguf_source.py).
+gguf_hybrid.py on top of GGUFSource (gguf_source.py); MoE files (qwen3moe, and llama files with
+experts: Mixtral) take their dense keys from here and their experts from gguf_moe.py.
 
 GGUF stores a 2-D weight as rows of quant blocks; a rank's rows are a slice of the memory
 map, its columns a block-aligned byte range of each row. Only that slice is dequantized.
@@ -19,11 +20,14 @@ import numpy as np
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, TensorSource
+from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
-SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3next", "qwen35", "qwen35moe")
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3next", "qwen35", "qwen35moe", "gemma3", "qwen3moe", "qwen2", "phi3")
 # Hybrid (Gated DeltaNet) architectures: their converter's rewrites are undone by gguf_hybrid.py.
 HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+# MoE model types whose tensors gguf_moe.py translates (experts stacked per layer).
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 # GGUF tensor name stem -> Hugging Face module name.
 GLOBAL_NAMES = {
@@ -101,13 +105,25 @@ class GGUFCheckpoint(Checkpoint):
         self._tensors = {t.name: t for t in reader.tensors}
         self.path = path  # _hf_config's messages name it
         super().__init__(path, self._hf_config())
-        self._hf_to_gguf = {hf_name(n): n for n in self._tensors if n != ROPE_FREQS}
+        self._hf_to_gguf = {hf_name(n): n for n in self._tensors if n not in ROPE_TENSORS}
         self._hybrid: dict[str, Any] | None = None  # HF name -> source factory, for hybrid archs
         arch = self.metadata("general.architecture")
         if arch in HYBRID_GGUF_ARCHS:
             from celerytp.loading.gguf_hybrid import hybrid_sources  # it builds on GGUFSource
 
             self._hybrid = hybrid_sources(arch, self._tensors, self.hf_config)
+        elif arch == "gemma3":  # its norms are stored + 1: gguf_gemma3.py's own sources
+            from celerytp.loading.gguf_gemma3 import gemma3_sources
+
+            self._hybrid = gemma3_sources(self._tensors)
+        elif arch == "phi3":  # fused attn_qkv, and ffn_up holding [gate; up]: gguf_phi3.py's names
+            from celerytp.loading.gguf_phi3 import phi3_sources
+
+            self._hybrid = phi3_sources(self._tensors)
+        elif self.hf_config["model_type"] in MOE_MODEL_TYPES:  # qwen3moe, Mixtral (llama with experts)
+            from celerytp.loading.gguf_moe import moe_sources
+
+            self._hybrid = moe_sources(arch, self._tensors, self.hf_config)
 
     def metadata(self, key: str, default: Any = None) -> Any:
         field = self._reader.fields.get(key)
@@ -141,6 +157,14 @@ class GGUFCheckpoint(Checkpoint):
             from celerytp.loading.gguf_hybrid import hybrid_config
 
             return hybrid_config(arch, self.metadata, self._tensors, str(self.path))
+        if arch == "gemma3":
+            from celerytp.loading.gguf_gemma3 import gemma3_config
+
+            return gemma3_config(self.metadata, self._tensors, str(self.path))
+        if arch == "phi3":
+            from celerytp.loading.gguf_phi3 import phi3_config
+
+            return phi3_config(self.metadata, self._tensors, str(self.path))
 
         def key(suffix: str, default: Any = None) -> Any:
             return self.metadata(f"{arch}.{suffix}", default)
@@ -153,9 +177,7 @@ class GGUFCheckpoint(Checkpoint):
         head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads
         embd = self._tensors.get("token_embd.weight")
         vocab = key("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
-        if key("rope.scaling.type") == "linear":
-            rope = {**rope, "rope_type": "linear", "factor": key("rope.scaling.factor")}
+        rope = gguf_rope_parameters(key, self._tensors, head_dim)
         config: dict[str, Any] = {
             "model_type": arch,
             "vocab_size": vocab,
@@ -175,7 +197,14 @@ class GGUFCheckpoint(Checkpoint):
             "bos_token_id": self.metadata("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.metadata("tokenizer.ggml.eos_token_id"),
         }
+        if arch == "llama" and (window := key("attention.sliding_window")):
+            # Not written by llama.cpp's converter (a Mistral GGUF has no window): honoured when present.
+            config["sliding_window"] = window
         if ROPE_FREQS in self._tensors:
             factors = gguf.quants.dequantize(self._tensors[ROPE_FREQS].data, self._tensors[ROPE_FREQS].tensor_type)
             config["rope_freq_factors"] = [float(x) for x in np.asarray(factors).reshape(-1)]
+        from celerytp.loading.gguf_moe import is_moe_file, moe_config  # it imports hf_name from here
+
+        if is_moe_file(arch, self._tensors):
+            return moe_config(arch, config, self.metadata, self._tensors, str(self.path))
         return config

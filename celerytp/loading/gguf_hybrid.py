@@ -34,6 +34,7 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Range, ReadRecord, TensorSource
+from celerytp.loading.gguf_rope import gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
 # GGUF architecture -> the model_type of the HF config it was converted from.
@@ -427,7 +428,7 @@ def hybrid_config(
         # The converter writes rope.dimension_count = head_dim * partial_rotary_factor. Qwen3.5's
         # M-RoPE sections (rope.dimension_sections) are plain RoPE for text-only positions.
         "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
-        "rope_parameters": _rope(arch, key, where),
+        "rope_parameters": gguf_rope_parameters(key, tensors, key("rope.dimension_count", head_dim)),
         "max_position_embeddings": key("context_length", 2048),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "linear_num_key_heads": key("ssm.group_count"),
@@ -457,14 +458,3 @@ def _vocab_size(arch: str, metadata: Callable[[str, Any], Any], tensors: dict[st
     embd = tensors.get("token_embd.weight")
     return int(embd.shape[1]) if embd is not None else metadata(f"{arch}.vocab_size", None)
 
-
-def _rope(arch: str, key: Callable[..., Any], where: str) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
-    scaling = key("rope.scaling.type")
-    if scaling in (None, "none"):
-        return rope
-    if scaling == "linear":
-        return rope | {"rope_type": "linear", "factor": key("rope.scaling.factor")}
-    raise CeleryTPError(
-        ErrorKind.UNSUPPORTED_ARCH, f"{where}: rope scaling {scaling!r} is not supported for {arch} GGUF"
-    )

@@ -1,18 +1,17 @@
 """Model registry and the loading entry point ranks call: load_model(path, tp) -> CausalLM."""
 
+from celerytp.models.architectures import ARCHITECTURES
 from celerytp.models.base import BuildOptions, CausalLM
 from celerytp.models.config import ModelConfig
-from celerytp.models.llama import LlamaForCausalLM
-from celerytp.models.loader import MODEL_REGISTRY, build_model, load_model
-from celerytp.models.qwen3 import Qwen3ForCausalLM
+from celerytp.models.decoder import DecoderForCausalLM
+from celerytp.models.loader import build_model, load_model
 
 __all__ = [
-    "MODEL_REGISTRY",
+    "ARCHITECTURES",
     "BuildOptions",
     "CausalLM",
-    "LlamaForCausalLM",
+    "DecoderForCausalLM",
     "ModelConfig",
-    "Qwen3ForCausalLM",
     "build_model",
     "load_model",
 ]

@@ -11,6 +11,7 @@ from torch import nn
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.kv_cache import CacheSlots, KVCache
+from celerytp.layers.moe import RoutedExperts
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.config import ModelConfig
 from celerytp.quant.formats import QuantPlan
@@ -49,7 +50,7 @@ class BuildOptions:
 class CausalLM(nn.Module):
     """A decoder-only language model shard with its KV cache.
 
-    Subclasses build `self.model` (embed_tokens, layers, norm, rotary_emb) and
+    Subclasses build `self.model` (embed_tokens, layers, norm, rotary tables) and
     `self.lm_head`, named as in the Hugging Face checkpoint.
     """
 
@@ -213,7 +214,11 @@ class CausalLM(nn.Module):
     # ---- loading -------------------------------------------------------------------------
 
     def checkpoint_table(self) -> dict[str, tuple[nn.Parameter, str | None]]:
-        """Checkpoint tensor name -> (our parameter, shard id within a packed parameter)."""
+        """Checkpoint tensor name -> (our parameter, shard id within a packed parameter).
+
+        Packed parameters list each checkpoint matrix they hold; routed experts list each expert's
+        projections; names under `model.` move to the config's `weight_prefix`.
+        """
         table: dict[str, tuple[nn.Parameter, str | None]] = {}
         for name, param in self.named_parameters():
             module_path, _, leaf = name.rpartition(".")
@@ -222,7 +227,14 @@ class CausalLM(nn.Module):
                 table[f"{prefix}.{sub}.{leaf}"] = (param, sub)
             if module not in self.packed_modules_mapping:
                 table[name] = (param, None)
-        return table
+        for name, module in self.named_modules():
+            if isinstance(module, RoutedExperts):
+                del table[f"{name}.w13"], table[f"{name}.w2"]
+                table.update(module.checkpoint_entries(name))
+        prefix = getattr(self.config, "weight_prefix", "model.")
+        if prefix == "model.":
+            return table
+        return {(prefix + n[len("model.") :] if n.startswith("model.") else n): v for n, v in table.items()}
 
     def is_ignorable(self, name: str) -> bool:
         """Checkpoint tensors we may skip: a saved copy of a tied lm_head, rotary buffers."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.layers.rotary import RopeConfig
-from celerytp.models.config import DEFAULT_MAX_CONTEXT, ModelConfig, id_tuple, require_positive, rope_config
+from celerytp.models.config import DEFAULT_MAX_CONTEXT, id_tuple, require_positive, rope_config
 
 # model_type in config.json -> what it is. `qwen3_5` and `qwen3_5_moe` are the multimodal
 # checkpoints (text model under `text_config`, weights under `model.language_model.`); the
@@ -150,7 +150,7 @@ class HybridConfig:
             linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4),
             fused_linear_proj=model_type == "qwen3_next",
             intermediate_size=t.get("intermediate_size") or 0,
-            moe_layers=_moe_layers(t, num_layers) if moe else (),
+            moe_layers=moe_layers(t, num_layers) if moe else (),
             num_experts=t.get("num_experts", 0) if moe else 0,
             num_experts_per_tok=t.get("num_experts_per_tok", 0) if moe else 0,
             moe_intermediate_size=t.get("moe_intermediate_size", 0) if moe else 0,
@@ -172,14 +172,8 @@ def _plain_rope(params: dict[str, Any]) -> dict[str, Any]:
     return {"rope_parameters": rope} if rope else {}
 
 
-def _moe_layers(t: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+def moe_layers(t: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     step = t.get("decoder_sparse_step", 1) or 1
     dense = set(t.get("mlp_only_layers") or [])
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
-
-def config_from_hf(d: dict[str, Any]) -> ModelConfig | HybridConfig:
-    """The config class that handles this checkpoint's model_type."""
-    if d.get("model_type") in HYBRID_MODEL_TYPES:
-        return HybridConfig.from_hf_config(d)
-    return ModelConfig.from_hf_config(d)

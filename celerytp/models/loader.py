@@ -10,29 +10,17 @@ from gguf import GGMLQuantizationType
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.partition import split_heads, split_linear_heads
+from celerytp.layers.rotary import scaled_context
 from celerytp.loading import Checkpoint, open_checkpoint
+from celerytp.models.architectures import architecture, config_from_hf
 from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.compiled import compile_decode, compile_requested
 from celerytp.models.config import ModelConfig
-from celerytp.models.hybrid_config import HybridConfig, config_from_hf
-from celerytp.models.llama import LlamaForCausalLM
-from celerytp.models.qwen3 import Qwen3ForCausalLM
-from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from celerytp.models.hybrid_config import HybridConfig
 from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import embedding_plan, finish_loading, mlp_block, plan_name, resolve_quant
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # per rank; on CPU only the pages rows write become resident
-
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-    "qwen3_next": Qwen3NextForCausalLM,
-    "qwen3_5": Qwen3_5ForCausalLM,
-    "qwen3_5_text": Qwen3_5ForCausalLM,
-    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
-    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
-}
-
 
 def load_model(
     path: str | os.PathLike[str],
@@ -56,7 +44,7 @@ def load_model(
     """
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)
-        plan = resolve_quant(quant, checkpoint, config.model_type, dtype)
+        plan = resolve_quant(quant, checkpoint, dtype)
         model = build_model(
             config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=plan,
             kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype,
@@ -94,9 +82,7 @@ def build_model(
     (default: the compute dtype): an unset max_context is the largest that fits, up to the
     model's default; a set one that does not fit is refused.
     """
-    model_cls = MODEL_REGISTRY.get(config.model_type)
-    if model_cls is None:
-        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {config.model_type!r} has no implementation")
+    model_cls = architecture(config.model_type).model_cls
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     max_context = fit_context(config, tp.world_size, kv_dtype, max_batch, max_context, kv_cache_bytes)
     options = BuildOptions(
@@ -143,10 +129,13 @@ def fit_context(
                 ErrorKind.LOAD_FAILED,
                 f"the KV cache budget of {budget} bytes holds no position of {rows} rows ({per_position} bytes each)",
             )
-    if not 1 <= max_context <= config.max_position_embeddings:
+    limit = scaled_context(config.rope, config.max_position_embeddings)
+    if not 1 <= max_context <= limit:
+        extended = f", extended by its {config.rope.rope_type} rope scaling" if limit > config.max_position_embeddings else ""
         raise CeleryTPError(
             ErrorKind.LOAD_FAILED,
-            f"max_context {max_context} must be within 1..max_position_embeddings {config.max_position_embeddings}",
+            f"max_context {max_context} must be within 1..{limit} (max_position_embeddings"
+            f" {config.max_position_embeddings}{extended})",
         )
     if max_context > fits:
         raise CeleryTPError(

@@ -1,9 +1,8 @@
 """Qwen3-Next and Qwen3.5 (dense and MoE): Gated DeltaNet and gated full attention by layer_types.
 
-Full-attention layers: q_proj carries each head's query and output gate ([q | gate] per head),
-per-head zero-centred q/k norms, partial rotary, sigmoid(gate) applied before o_proj. Split by
-heads as in llama (KV groups, replicated KV heads beyond num_kv_heads), the gate halves staying
-with their heads. Linear-attention layers: celerytp.layers.gated_deltanet. MLPs: dense SwiGLU or
+Full-attention layers are the shared attention core (layers/attention.py) with q_proj carrying
+each head's query and output gate ([q | gate] per head), per-head zero-centred q/k norms, partial
+rotary, and sigmoid(gate) applied before o_proj. Linear-attention layers: celerytp.layers.gated_deltanet. MLPs: dense SwiGLU or
 the sparse MoE block of celerytp.layers.moe.
 """
 
@@ -12,22 +11,16 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from celerytp.layers.attention import Attention, AttentionSpec
 from celerytp.layers.gated_deltanet import FUSED_PROJECTIONS, SPLIT_PROJECTIONS, GatedDeltaNet, GatedDeltaNetDims
 from celerytp.layers.hybrid_norm import ZeroCenteredRMSNorm
-from celerytp.layers.kv_cache import CacheSlots, KVCache
-from celerytp.layers.linear import (
-    ColumnParallelLinear,
-    OutputShard,
-    RowParallelLinear,
-)
+from celerytp.layers.kv_cache import CacheSlots
 from celerytp.layers.mlp import SwiGLUMLP
-from celerytp.layers.moe import RoutedExperts, SparseMoeBlock
-from celerytp.layers.partition import split_heads
+from celerytp.layers.moe import SparseMoeBlock
 from celerytp.layers.recurrent_state import RecurrentState
-from celerytp.layers.rotary import RotaryEmbedding, apply_rotary
+from celerytp.layers.rotary import RotaryEmbedding
 from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.base import BuildOptions, CausalLM, Progress, cache_rows, common_prefix
@@ -40,57 +33,20 @@ MTP_PREFIX = "mtp."
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-class Qwen3NextAttention(nn.Module):
-    """Gated GQA attention over this rank's heads, with a preallocated KV cache."""
-
-    def __init__(self, config: HybridConfig, options: BuildOptions) -> None:
-        super().__init__()
-        tp, hd = options.tp, config.head_dim
-        heads = split_heads(tp.rank, tp.world_size, config.num_heads, config.num_kv_heads)
-        self.heads = heads
-        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, hd  # local
-        self.rotary_dim = config.rotary_dim
-        common = {"dtype": options.dtype, "device": options.device}
-        quant = options.quant
-        kv = OutputShard(config.num_kv_heads * hd, heads.kv_start * hd, heads.kv_count * hd)
-        shards = {
-            # q_proj rows are [q (hd) | gate (hd)] per head, so whole heads keep their gates.
-            "q_proj": OutputShard(config.num_heads * 2 * hd, heads.q_start * 2 * hd, heads.q_count * 2 * hd),
-            "k_proj": kv,
-            "v_proj": kv,
-        }
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, shards, bias=config.attention_bias, quant=quant, **common)
-        self.split_sizes = [s.size for s in shards.values()]
-        self.o_proj = RowParallelLinear(
-            config.num_heads * hd, config.hidden_size, (heads.q_start * hd, heads.q_count * hd), tp,
-            bias=config.attention_bias, quant=quant, **common,
-        )  # fmt: skip
-        self.q_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
-        self.k_norm = ZeroCenteredRMSNorm(hd, config.rms_norm_eps, **common)
-        self.kv_cache = KVCache(
-            cache_rows(options), self.num_kv_heads, options.max_context, hd, dtype=options.kv_dtype, device=options.device
-        )
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
-        B, T, _ = x.shape
-        qg, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q, gate = qg.view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # (B, T, nh, hd) each
-        q = self._rotate(self.q_norm(q).transpose(1, 2), cos, sin)  # (B, nh, T, hd)
-        k = self._rotate(self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2), cos, sin)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        k, v = self.kv_cache.update(slots, k, v)  # (B, nkv, L, hd)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=slots.mask, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        y = y * torch.sigmoid(gate.reshape(B, T, -1))
-        return self.o_proj(y)  # all-reduced over ranks
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Partial rotary: only the first rotary_dim dims of each head turn."""
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        return torch.cat((apply_rotary(x[..., : self.rotary_dim], cos, sin), x[..., self.rotary_dim :]), dim=-1)
+def attention_spec(config: HybridConfig) -> AttentionSpec:
+    """The gated full-attention layers: [query | gate] rows per head, zero-centred q/k norms, partial rotary."""
+    return AttentionSpec(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        qkv_bias=config.attention_bias,
+        o_bias=config.attention_bias,
+        rotary_dim=config.rotary_dim,
+        qk_norm=ZeroCenteredRMSNorm,
+        norm_eps=config.rms_norm_eps,
+        output_gate=True,
+    )
 
 
 def linear_attention_dims(config: HybridConfig) -> GatedDeltaNetDims:
@@ -120,7 +76,10 @@ class Qwen3NextDecoderLayer(nn.Module):
                 linear_attention_dims(config), options.tp, cache_rows(options), **common, **quant
             )
         else:
-            self.self_attn = Qwen3NextAttention(config, options)
+            self.self_attn = Attention(
+                attention_spec(config), options.tp, cache_rows=cache_rows(options), max_context=options.max_context,
+                kv_dtype=options.kv_dtype, **common, **quant,
+            )  # fmt: skip
         self.mlp: nn.Module
         if index in config.moe_layers:
             self.mlp = SparseMoeBlock(
@@ -204,17 +163,6 @@ class Qwen3NextForCausalLM(CausalLM):
         return report | {"kv_cache_bytes": report["kv_cache_bytes"] + state, "recurrent_state_bytes": state}
 
     # ---- loading ---------------------------------------------------------------------------
-
-    def checkpoint_table(self) -> dict[str, tuple[nn.Parameter, str | None]]:
-        table = super().checkpoint_table()
-        for name, module in self.named_modules():
-            if isinstance(module, RoutedExperts):
-                del table[f"{name}.w13"], table[f"{name}.w2"]
-                table.update(module.checkpoint_entries(name))
-        prefix = self.config.weight_prefix
-        if prefix == "model.":
-            return table
-        return {(prefix + n[len("model.") :] if n.startswith("model.") else n): v for n, v in table.items()}
 
     def is_ignorable(self, name: str) -> bool:
         return super().is_ignorable(name) or name.startswith(MTP_PREFIX) or name.startswith(VISION_PREFIXES)

@@ -9,12 +9,9 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.quant.formats import QuantFormat, QuantPlan, parse_quant
 
-# Architectures whose every linear takes BuildOptions.quant (others would silently ignore it).
-QUANT_MODEL_TYPES = ("llama", "qwen3", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _LINEAR_SUFFIXES = (
     "_proj.weight",
     "lm_head.weight",
@@ -28,8 +25,9 @@ _LINEAR_SUFFIXES = (
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dtype: torch.dtype) -> QuantPlan | None:
-    """How this load keeps its linears; None = plain weights in the compute dtype.
+def resolve_quant(quant: str | None, checkpoint: Checkpoint, dtype: torch.dtype) -> QuantPlan | None:
+    """How this load keeps its linears; None = plain weights in the compute dtype. Every
+    architecture's linears take the plan (layers/linear.py, layers/moe.py).
 
     `quant` names one format for every linear (CeleryTPError "bad_request" if it is not a weight
     format). None keeps each GGUF tensor's own type (a Q4_K_M file stays q4_k + q6_k), or plain
@@ -40,12 +38,6 @@ def resolve_quant(quant: str | None, checkpoint: Checkpoint, model_type: str, dt
     else:
         fmt = parse_quant(quant)
         plan = None if fmt.float_dtype == dtype else QuantPlan(fmt)  # f32 on a float32 load: the plain model
-    if plan is not None and model_type not in QUANT_MODEL_TYPES:
-        raise CeleryTPError(
-            ErrorKind.BAD_REQUEST,
-            f"{f'quant {quant!r}' if quant else 'a GGUF with quantized weights'} is not supported for model_type "
-            f"{model_type!r} (only {', '.join(QUANT_MODEL_TYPES)})",
-        )
     return plan
 
 

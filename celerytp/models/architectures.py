@@ -1,0 +1,83 @@
+"""Every architecture we run: its config.json translator and its model class.
+
+Adding a dense or MoE architecture is a translator (config.json -> ModelConfig fields) and, only
+for what is really new, a subclass of the shared decoder (models/decoder.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.models.base import CausalLM
+from celerytp.models.config import ModelConfig, common_fields, sliding_fields
+from celerytp.models.decoder import DecoderForCausalLM
+from celerytp.models.dense_archs import mistral_fields, qwen2_fields
+from celerytp.models.gemma3 import Gemma3ForCausalLM, gemma3_fields
+from celerytp.models.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig
+from celerytp.models.moe_archs import MixtralForCausalLM, MoeDecoderForCausalLM, mixtral_fields, qwen3_moe_fields
+from celerytp.models.phi3 import Phi3ForCausalLM, phi3_fields
+from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+
+Fields = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def llama_fields(d: dict[str, Any]) -> dict[str, Any]:
+    return common_fields(d) | sliding_fields(d, d["num_hidden_layers"])
+
+
+def qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    return llama_fields(d) | {"qk_norm": True}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """model_cls builds it; fields translates its config.json (None: a hybrid, HybridConfig's own)."""
+
+    model_cls: type[CausalLM]
+    fields: Fields | None = None
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(DecoderForCausalLM, llama_fields),
+    "qwen3": Architecture(DecoderForCausalLM, qwen3_fields),
+    "qwen2": Architecture(DecoderForCausalLM, qwen2_fields),
+    "mistral": Architecture(DecoderForCausalLM, mistral_fields),
+    "phi3": Architecture(Phi3ForCausalLM, phi3_fields),
+    "gemma3_text": Architecture(Gemma3ForCausalLM, gemma3_fields),
+    "gemma3": Architecture(Gemma3ForCausalLM, gemma3_fields),
+    "qwen3_moe": Architecture(MoeDecoderForCausalLM, qwen3_moe_fields),
+    "mixtral": Architecture(MixtralForCausalLM, mixtral_fields),
+    "qwen3_next": Architecture(Qwen3NextForCausalLM),
+    "qwen3_5": Architecture(Qwen3_5ForCausalLM),
+    "qwen3_5_text": Architecture(Qwen3_5ForCausalLM),
+    "qwen3_5_moe": Architecture(Qwen3_5MoeForCausalLM),
+    "qwen3_5_moe_text": Architecture(Qwen3_5MoeForCausalLM),
+}
+assert set(HYBRID_MODEL_TYPES) == {name for name, arch in ARCHITECTURES.items() if arch.fields is None}
+
+
+def architecture(model_type: object) -> Architecture:
+    """The architecture of a config.json's model_type; UNSUPPORTED_ARCH naming the supported ones."""
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        raise CeleryTPError(
+            ErrorKind.UNSUPPORTED_ARCH, f"model_type {model_type!r} is not one of {', '.join(ARCHITECTURES)}"
+        )
+    return arch
+
+
+def translator(model_type: object) -> Fields:
+    fields = architecture(model_type).fields
+    if fields is None:
+        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {model_type!r} is a hybrid: use HybridConfig")
+    return fields
+
+
+def config_from_hf(d: dict[str, Any]) -> ModelConfig | HybridConfig:
+    """The config of a checkpoint's config.json, whatever its architecture."""
+    if architecture(d.get("model_type")).fields is None:
+        return HybridConfig.from_hf_config(d)
+    return ModelConfig.from_hf_config(d)
