@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,42 +17,12 @@ import pytest
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import MODEL, ROOT, cli, free_port, start_served
 
-from celerytp.client.leader import Leader
 from celerytp.client.registry import keep_replica
 from celerytp.core.liveness import read_owners
 
 KEY = "test-key-123"
-MODEL = "smol"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], check=False, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env})
-
-
-class Served:
-    """A running `celerytp serve` and a Leader of its embedded group."""
-
-    def __init__(self, url: str, broker_url: str):
-        self.url = url
-        self.broker_url = broker_url
-        self.group = "srv"
-        self.leader = Leader(broker_url, self.group, world_size=2)
 
 
 REDIS_PASSWORD = "served-test-password"
@@ -64,31 +32,8 @@ REDIS_PASSWORD = "served-test-password"
 def served(tmp_path_factory):
     """`celerytp serve --tp 2` (embedded: private Redis + 2 rank workers) in a subprocess, once the
     model answers; on teardown Ctrl-C must stop it and its workers."""
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until teardown
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT, "CELERYTP_LOCAL_REDIS_PASSWORD": REDIS_PASSWORD}
-    args = [sys.executable, "-m", "celerytp", "serve", "--group", "srv", "--tp", "2", "--port", str(port),
-            "--api-key", KEY, "--model-id", MODEL, "--max-batch", "4"]
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while not (banner := re.search(r"celerytp serving 'smol' .* broker (redis://\S+)\)", log_path.read_text())):
-        assert proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
-    while not healthy(url):  # the banner comes just before the port opens
-        assert time.monotonic() < deadline, "server did not answer"
-        time.sleep(0.1)
-    assert REDIS_PASSWORD not in log_path.read_text()  # the banner masks it
-    served = Served(url, banner.group(1).replace(":***@", f":{REDIS_PASSWORD}@"))
-    workers = [r["pid"] for r in httpx.get(f"{url}/health").json()["ranks"]]
-    yield served
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) in (0, 130), log_path.read_text()
-    for pid in workers:  # the embedded rank workers are gone too
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    with start_served(tmp_path_factory, "--api-key", KEY, "--max-batch", "4", redis_password=REDIS_PASSWORD) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

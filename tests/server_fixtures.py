@@ -1,0 +1,88 @@
+"""A real `celerytp serve` for tests: a subprocess with its embedded group (private Redis and
+rank workers), started once per module that asks for it, stopped with Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from celerytp.client.leader import Leader
+
+MODEL = "smol"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env})
+
+
+class Served:
+    """A running `celerytp serve` and a Leader of its embedded group."""
+
+    def __init__(self, url: str, broker_url: str, group: str, world_size: int, log_path: str):
+        self.url = url
+        self.broker_url = broker_url
+        self.group = group
+        self.log_path = log_path
+        self.leader = Leader(broker_url, group, world_size=world_size)
+
+
+@contextlib.contextmanager
+def start_served(
+    tmp_path_factory: pytest.TempPathFactory, *args: str, tp: int = 2, group: str = "srv",
+    redis_password: str = "served-test-password", env: dict[str, str] | None = None,
+) -> Iterator[Served]:
+    """`celerytp serve --tp TP --model-id smol ARGS` until the model answers; on exit Ctrl-C must
+    stop it and its rank workers. The banner masks the Redis password; the Served has it."""
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until teardown
+    port = free_port()
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "CELERYTP_LOCAL_REDIS_PASSWORD": redis_password, **(env or {})}
+    command = [sys.executable, "-m", "celerytp", "serve", "--group", group, "--tp", str(tp), "--port", str(port),
+               "--model-id", MODEL, *args]  # fmt: skip
+    proc = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while not (banner := re.search(r"celerytp serving 'smol' .* broker (redis://\S+)\)", log_path.read_text())):
+        assert proc.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+    while not healthy(url):  # the banner comes just before the port opens
+        assert time.monotonic() < deadline, "server did not answer"
+        time.sleep(0.1)
+    assert redis_password not in log_path.read_text()  # the banner masks it
+    served = Served(url, banner.group(1).replace(":***@", f":{redis_password}@"), group, tp, str(log_path))
+    workers = [r["pid"] for r in httpx.get(f"{url}/health").json()["ranks"]]
+    try:
+        yield served
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) in (0, 130), log_path.read_text()
+        log.close()
+        for pid in workers:  # the embedded rank workers are gone too
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
