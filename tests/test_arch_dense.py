@@ -41,7 +41,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.models import load_model
-from celerytp.models.config import ModelConfig
+from celerytp.models.architectures import config_from_hf
 
 STEPS = 32
 LONGROPE_HALF = 6  # phi3_longrope: head_dim 16 * partial 0.75 = 12 rotary dims
@@ -348,25 +348,25 @@ def _base(model_type: str, **extra: Any) -> dict[str, Any]:
 
 def test_config_translation() -> None:
     # qwen2: no window unless use_sliding_window (transformers' default is off, key absent or not).
-    assert ModelConfig.from_hf_config(_base("qwen2", sliding_window=4096)).layer_types == ()
-    c = ModelConfig.from_hf_config(_base("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2))
+    assert config_from_hf(_base("qwen2", sliding_window=4096)).layer_types == ()
+    c = config_from_hf(_base("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2))
     assert c.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2 and c.sliding_window == 16
     assert (c.attention_bias, c.o_proj_bias) == (True, False)  # whatever attention_bias says
     # mistral: every layer when set; null is none; layer_types / use_sliding_window are ignored.
-    c = ModelConfig.from_hf_config(_base("mistral", sliding_window=32, layer_types=["full_attention"] * 4))
+    c = config_from_hf(_base("mistral", sliding_window=32, layer_types=["full_attention"] * 4))
     assert c.layer_types == ("sliding_attention",) * 4 and c.sliding_window == 32
-    assert ModelConfig.from_hf_config(_base("mistral", sliding_window=None)).layer_types == ()
+    assert config_from_hf(_base("mistral", sliding_window=None)).layer_types == ()
     # phi3: 4.x spellings of longrope, partial rotary top-level or in the rope parameters.
     half = 16 * 3 // 4 // 2
     for kind in ("su", "yarn", "longrope"):
         rope = {"type": kind, "short_factor": [1.0] * half, "long_factor": [2.0] * half}
-        c = ModelConfig.from_hf_config(
+        c = config_from_hf(
             _base("phi3", rope_scaling=rope, partial_rotary_factor=0.75, original_max_position_embeddings=64,
                   max_position_embeddings=256)
         )  # fmt: skip
         assert c.rope.rope_type == "longrope" and c.rotary_dim == 12 and c.rope.factor == 4.0
     rope = {"rope_type": "default", "partial_rotary_factor": 0.5}
-    c = ModelConfig.from_hf_config(_base("phi3", rope_parameters=rope))
+    c = config_from_hf(_base("phi3", rope_parameters=rope))
     assert c.rotary_dim == 8 and c.layer_types == ()
 
 

@@ -37,7 +37,8 @@ from celerytp.core.errors import CeleryTPError
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.loading import open_checkpoint
-from celerytp.models import ModelConfig, load_model
+from celerytp.models import load_model
+from celerytp.models.architectures import config_from_hf
 
 STEPS = 32
 VOCAB = 160
@@ -309,7 +310,7 @@ def test_hub_configs_translate_as_transformers_reads_them() -> None:
         "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144,
     }  # fmt: skip
     for d, text in ((four_b, Gemma3Config(**four_b).text_config), (one_b, Gemma3TextConfig(**one_b))):
-        ours = ModelConfig.from_hf_config(d)
+        ours = config_from_hf(d)
         assert (ours.vocab_size, ours.hidden_size, ours.intermediate_size, ours.num_layers) == (
             text.vocab_size, text.hidden_size, text.intermediate_size, text.num_hidden_layers)  # fmt: skip
         assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
@@ -324,14 +325,14 @@ def test_hub_configs_translate_as_transformers_reads_them() -> None:
         assert ours.embedding_scale == text.hidden_size**0.5
         assert ours.tie_word_embeddings and ours.qk_norm and ours.zero_centered_norms
         assert ours.hidden_act == text.hidden_activation == "gelu_pytorch_tanh"
-    assert ModelConfig.from_hf_config(four_b).eos_token_ids == (1, 106)
+    assert config_from_hf(four_b).eos_token_ids == (1, 106)
 
 
 def test_gguf_metadata_becomes_the_model_config(cases: dict[str, Case]) -> None:
     with open_checkpoint(cases["gguf_f32"].path) as ckpt:
-        config = ModelConfig.from_hf_config(ckpt.hf_config)
+        config = config_from_hf(ckpt.hf_config)
         names = set(ckpt.names())
-    expected = ModelConfig.from_hf_config(cases["gguf_f32"].model.config.to_dict())
+    expected = config_from_hf(cases["gguf_f32"].model.config.to_dict())
     assert config.layer_types == expected.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
     fields = ("sliding_window", "rope", "local_rope", "attention_scale", "embedding_scale", "num_kv_heads", "head_dim")
     for field in fields:

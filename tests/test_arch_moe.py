@@ -41,6 +41,7 @@ from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.loading import open_checkpoint
 from celerytp.models import load_model
+from celerytp.models.architectures import config_from_hf
 from celerytp.quant.plan import quant_summary
 
 STEPS = 32
@@ -354,7 +355,6 @@ def _saved(model: Any, path: Path) -> Path:
 
 def test_hub_configs_translate() -> None:
     """Qwen3-30B-A3B's and Mixtral-8x7B's config.json keys (transformers 4 spellings)."""
-    from celerytp.models import ModelConfig
 
     qwen = {
         "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
@@ -364,13 +364,13 @@ def test_hub_configs_translate() -> None:
         "max_position_embeddings": 40960, "max_window_layers": 48, "use_sliding_window": False,
         "sliding_window": None, "hidden_act": "silu", "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
     }  # fmt: skip
-    c = ModelConfig.from_hf_config(qwen)
+    c = config_from_hf(qwen)
     assert (c.head_dim, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (128, 128, 8, 768)
     assert c.moe_layers == tuple(range(48)) and c.norm_topk_prob and c.qk_norm and not c.layer_types
     # use_sliding_window puts the window on every layer (Qwen3MoeConfig has no max_window_layers).
-    c = ModelConfig.from_hf_config(qwen | {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28})
+    c = config_from_hf(qwen | {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28})
     assert c.layer_types == ("sliding_attention",) * 48 and c.sliding_window == 4096
-    c = ModelConfig.from_hf_config(qwen | {"decoder_sparse_step": 2, "mlp_only_layers": [1, 2]})
+    c = config_from_hf(qwen | {"decoder_sparse_step": 2, "mlp_only_layers": [1, 2]})
     assert c.moe_layers == tuple(i for i in range(48) if i % 2 == 1 and i != 1)
     mixtral = {
         "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
@@ -378,8 +378,8 @@ def test_hub_configs_translate() -> None:
         "num_experts_per_tok": 2, "rope_theta": 1000000.0, "sliding_window": None, "max_position_embeddings": 32768,
         "hidden_act": "silu", "rms_norm_eps": 1e-05, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False,
     }  # fmt: skip
-    c = ModelConfig.from_hf_config(mixtral)
+    c = config_from_hf(mixtral)
     assert (c.head_dim, c.num_experts, c.moe_intermediate_size, c.moe_layers) == (128, 8, 14336, tuple(range(32)))
     assert c.norm_topk_prob and not c.qk_norm and not c.layer_types
     with pytest.raises(CeleryTPError, match="num_local_experts"):
-        ModelConfig.from_hf_config({k: v for k, v in mixtral.items() if k != "num_local_experts"})
+        config_from_hf({k: v for k, v in mixtral.items() if k != "num_local_experts"})

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from celerytp.core.errors import CeleryTPError
 from celerytp.distributed.tp import TPContext
 from celerytp.loading import open_checkpoint
-from celerytp.models import ModelConfig, build_model, load_model
+from celerytp.models import build_model, load_model
+from celerytp.models.architectures import config_from_hf
 from celerytp.quant.plan import quant_summary
 
 SHARDED = re.compile(r"(\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)|embed_tokens|lm_head)\.weight$")
@@ -41,7 +42,7 @@ def q8_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def load_rank(path: Path, rank: int, world_size: int):  # type: ignore[no-untyped-def]
     """Load one rank's shard without a process group (loading runs no collective)."""
     with open_checkpoint(path) as ckpt, torch.inference_mode():
-        config = ModelConfig.from_hf_config(ckpt.hf_config)
+        config = config_from_hf(ckpt.hf_config)
         model = build_model(
             config, ckpt, TPContext(rank, world_size), dtype=torch.float32, device="cpu", max_context=None
         )

@@ -29,7 +29,7 @@ from model_fixtures import (
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV
 from celerytp.loading import GGUFCheckpoint, open_checkpoint
-from celerytp.models import ModelConfig
+from celerytp.models.architectures import config_from_hf
 
 Q = gguf.GGMLQuantizationType
 # variant -> GGUF name substring -> quant type for 2-D weights
@@ -69,7 +69,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
 def test_metadata_becomes_the_model_config(cases: dict[str, Case]) -> None:
     with open_checkpoint(cases["llama_mixed"].path) as ckpt:
         assert isinstance(ckpt, GGUFCheckpoint)
-        config = ModelConfig.from_hf_config(ckpt.hf_config)
+        config = config_from_hf(ckpt.hf_config)
         assert (config.model_type, config.num_heads, config.num_kv_heads, config.head_dim) == ("llama", 6, 3, 32)
         assert (config.hidden_size, config.intermediate_size, config.vocab_size) == (96, 96, 160)
         assert config.attention_bias and not config.tie_word_embeddings
@@ -77,7 +77,7 @@ def test_metadata_becomes_the_model_config(cases: dict[str, Case]) -> None:
         assert "rope_freqs.weight" not in ckpt.names()
         assert ckpt.source("model.layers.0.mlp.down_proj.weight").column_block() == 32
     with open_checkpoint(cases["qwen3_q8_0"].path) as ckpt:
-        config = ModelConfig.from_hf_config(ckpt.hf_config)
+        config = config_from_hf(ckpt.hf_config)
         assert config.model_type == "qwen3" and config.tie_word_embeddings
         assert "model.layers.1.self_attn.k_norm.weight" in ckpt.names()
 

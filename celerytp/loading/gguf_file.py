@@ -20,6 +20,7 @@ import numpy as np
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import Checkpoint, TensorSource
+from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
@@ -29,28 +30,8 @@ HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 # MoE model types whose tensors gguf_moe.py translates (experts stacked per layer).
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
-# GGUF tensor name stem -> Hugging Face module name.
-GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 # llama.cpp's rope factors for llama3-style scaling; folded into the config, not a weight.
 ROPE_FREQS = "rope_freqs.weight"
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class _PlainViewReader(gguf.GGUFReader):
@@ -79,17 +60,6 @@ def _reader_class() -> type[gguf.GGUFReader]:
 def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
     """A GGUFReader for `path` (the faster subclass where this gguf version allows)."""
     return _reader_class()(str(path))
-
-
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor (unknown names pass through unchanged)."""
-    if m := _BLOCK_RE.fullmatch(gguf_name):
-        layer, stem, kind = m.groups()
-        if stem in BLOCK_NAMES:
-            return f"model.layers.{layer}.{BLOCK_NAMES[stem]}.{kind}"
-        return gguf_name
-    stem, _, kind = gguf_name.rpartition(".")
-    return f"{GLOBAL_NAMES[stem]}.{kind}" if stem in GLOBAL_NAMES else gguf_name
 
 
 class GGUFCheckpoint(Checkpoint):

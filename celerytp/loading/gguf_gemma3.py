@@ -30,23 +30,18 @@ llm_build_gemma3) takes it:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import ReadRecord, TensorSource
 from celerytp.loading.gguf_hybrid import ShiftedNormSource
+from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
 SourceFactory = Callable[[str, list[ReadRecord]], TensorSource]
 
-GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 BLOCK = {
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -65,7 +60,6 @@ BLOCK = {
 SWA_PATTERN = 6  # llama.cpp's set_swa_pattern(6) for gemma3
 LOCAL_THETA = 10_000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
 LAYERS_27B = 62  # llama.cpp scales the 27B model's queries by its hidden / heads
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def gemma3_sources(tensors: dict[str, Any]) -> dict[str, SourceFactory]:
@@ -73,11 +67,9 @@ def gemma3_sources(tensors: dict[str, Any]) -> dict[str, SourceFactory]:
     (names we do not know keep their GGUF name, for the loader to report)."""
     table: dict[str, SourceFactory] = {}
     for gguf_name, tensor in tensors.items():
-        hf, stem = GLOBAL.get(gguf_name), gguf_name.rpartition(".")[0]
-        if hf is None and (m := _BLOCK_RE.fullmatch(gguf_name)) and m.group(2) in BLOCK:
-            layer, stem, kind = m.groups()
-            hf = f"model.layers.{layer}.{BLOCK[stem]}.{kind}"
-        table[hf or gguf_name] = _factory(tensor, shifted=hf is not None and stem.endswith("norm"))
+        hf = hf_name(gguf_name, BLOCK)
+        known_norm = hf != gguf_name and gguf_name.rpartition(".")[0].endswith("norm")
+        table[hf] = _factory(tensor, shifted=known_norm)
     return table
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import ReadRecord, TensorSource
 from celerytp.loading.gguf_hybrid import _expert_view, _TensorView
+from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS
 from celerytp.loading.gguf_source import GGUFSource
 
@@ -109,8 +110,6 @@ def moe_config(
 def moe_sources(arch: str, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, SourceFactory]:
     """HF tensor name -> how to build its source, for every tensor of a MoE GGUF file (`config`: its
     moe_config); unknown names pass through for the loader to report."""
-    from celerytp.loading.gguf_file import hf_name  # it dispatches here
-
     model_type = config["model_type"]
     experts_names, router = EXPERT_NAMES[model_type], ROUTER_NAMES[model_type]
     num_experts = config.get("num_experts") or config.get("num_local_experts")

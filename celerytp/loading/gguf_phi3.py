@@ -21,22 +21,17 @@ Metadata (Phi3MiniModel.set_gguf_parameters), read back:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import ReadRecord, TensorSource
+from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
 SourceFactory = Callable[[str, list[ReadRecord]], TensorSource]
 
-GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 BLOCK = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -48,7 +43,6 @@ BLOCK = {
     "ffn_up": "mlp.gate_up_proj",  # [gate; up]
     "ffn_down": "mlp.down_proj",
 }
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def phi3_sources(tensors: dict[str, Any]) -> dict[str, SourceFactory]:
@@ -58,11 +52,7 @@ def phi3_sources(tensors: dict[str, Any]) -> dict[str, SourceFactory]:
     for gguf_name, tensor in tensors.items():
         if gguf_name in ROPE_TENSORS:
             continue
-        hf = GLOBAL.get(gguf_name)
-        if hf is None and (m := _BLOCK_RE.fullmatch(gguf_name)) and m.group(2) in BLOCK:
-            layer, stem, kind = m.groups()
-            hf = f"model.layers.{layer}.{BLOCK[stem]}.{kind}"
-        table[hf or gguf_name] = _factory(tensor)
+        table[hf_name(gguf_name, BLOCK)] = _factory(tensor)
     return table
 
 

@@ -69,15 +69,12 @@ def architecture(model_type: object) -> Architecture:
     return arch
 
 
-def translator(model_type: object) -> Fields:
-    fields = architecture(model_type).fields
-    if fields is None:
-        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"model_type {model_type!r} is a hybrid: use HybridConfig")
-    return fields
-
-
 def config_from_hf(d: dict[str, Any]) -> ModelConfig | HybridConfig:
     """The config of a checkpoint's config.json, whatever its architecture."""
-    if architecture(d.get("model_type")).fields is None:
+    fields = architecture(d.get("model_type")).fields
+    if fields is None:
         return HybridConfig.from_hf_config(d)
-    return ModelConfig.from_hf_config(d)
+    try:
+        return ModelConfig(**fields(d))
+    except KeyError as exc:
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"config is missing {exc.args[0]!r}") from exc

@@ -18,8 +18,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class ModelConfig:
     """A decoder-only transformer: every dense and MoE architecture but the hybrids.
 
-    Built from a checkpoint's config.json by `from_hf_config`: common keys here, each
-    architecture's own in its translator (models/architectures.py).
+    Built from a checkpoint's config.json by models/architectures.py `config_from_hf`: common
+    keys here (`common_fields`), each architecture's own in its translator.
 
     Args:
         model_type: the checkpoint's architecture (its translator decided the rest).
@@ -108,18 +108,6 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
-
-    @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict (transformers 4.x or 5.x keys) with its architecture's translator."""
-        from celerytp.models.architectures import translator  # its modules import this one
-
-        model_type = d.get("model_type")
-        translate = translator(model_type)
-        try:
-            return cls(**translate(d))
-        except KeyError as exc:
-            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"config is missing {exc.args[0]!r}") from exc
 
 
 def common_fields(d: dict[str, Any]) -> dict[str, Any]:
