@@ -50,8 +50,8 @@ GGML = {"q8_0": T.Q8_0, "q8_1": T.Q8_1, "q8_k": T.Q8_K, "q4_0": T.Q4_0, "q4_1": 
         "q5_1": T.Q5_1, "q2_k": T.Q2_K, "q3_k": T.Q3_K, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
 INT4 = ("q4_0", "q4_1", "q4_k")
 # Stored bytes / float32 bytes of the linears: fast layouts (int4: 4 bits + bf16 scale and zero per
-# 32; int8: a byte + a row scale) and the exact one (codes, 4-bit ones packed, + float32 terms per group).
-FAST_RATIO = {"f16": 0.5, "bf16": 0.5} | {q: 0.18 if q in INT4 else 0.26 for q in GGML}
+# 32; int4split: the code split over two 4-bit halves, each with its block's scale) and the exact one (codes, 4-bit ones packed, + float32 terms per group).
+FAST_RATIO = {"f16": 0.5, "bf16": 0.5} | {q: 0.18 if q in INT4 else 0.32 for q in GGML}
 EXACT_RATIO = {"q8_0": 0.282, "q8_1": 0.282, "q8_k": 0.255, "q4_0": 0.157, "q4_1": 0.188, "q4_k": 0.188, "q5_0": 0.282,
                "q5_1": 0.313, "q5_k": 0.313, "q6_k": 0.313, "q2_k": 0.251, "q3_k": 0.188, "f16": 0.5, "bf16": 0.5}
 STEPS = 6
@@ -137,7 +137,7 @@ def test_quant_on_each_architecture(hf_dirs: dict, arch: str, quant: str, kernel
         assert {p.kernel for p in _parts(ours_model)} <= {"dequant", "float"}
         assert_matches(ours, ref, f"{arch} {quant}", atol=1e-4)
     else:
-        assert {p.kernel for m in qweights for p in m.parts} == {"int4pack" if quant in INT4 else "int8pack"}
+        assert {p.kernel for m in qweights for p in m.parts} == {"int4pack" if quant in INT4 else "int4split"}
         assert {p.kernel for p in embedding.parts} == {"int8pack" if model.config.tie_word_embeddings else "dequant"}
         scale = ref.prompt_logits.abs().max()
         err = (ours.prompt_logits - ref.prompt_logits).abs().max() / scale

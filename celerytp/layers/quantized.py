@@ -8,16 +8,25 @@ converts each run of rows sharing a format once into the layout of the kernel ch
 | kernel      | formats                                   | layout                                  | activations |
 |-------------|-------------------------------------------|-----------------------------------------|-------------|
 | int4pack    | q4_0, q4_1, q4_k                          | torch's tinygemm int4 pack, group 32    | bfloat16    |
-| int8pack    | q8_0, q8_1, q8_k, q5_0, q5_1, q5_k, q6_k, | int8 + one scale per row (requantized)  | bfloat16    |
-|             | q2_k, q3_k                                |                                         |             |
+| int4split   | q8_0, q8_1, q8_k, q5_0, q5_1, q5_k, q6_k, | the codes as 4-bit codes over 2K inputs | bfloat16    |
+|             | q2_k, q3_k (SPLIT_TYPES)                  | in tinygemm's pack, each block's scale  |             |
+|             |                                           | kept (1.25 bytes/weight; see _split)    |             |
+| int8pack    | the same, for a weight also read by rows  | int8 + one scale per row (requantized)  | bfloat16    |
+|             | (a tied embedding), or when forced        |                                         |             |
 | dequant     | every block format                        | codes + float32 scale/zero per group    | compute     |
 | float       | f16, bf16, f32                            | the weight in that dtype                | compute     |
 
-int4pack is exact for the weights up to bfloat16 scales/zeros; int8pack re-rounds each row to
-one int8 scale (error <= half that step, max|row| / 254); dequant is bit-exact (gguf's float32
-weights), rebuilt tile by tile every forward. CELERYTP_QUANT_KERNEL=dequant forces the exact
-path. Each fast kernel is checked once per process against dequant on a probe matrix and on any
-error or mismatch the layer falls back to dequant (logged).
+int4pack and int4split are exact for the weights up to bfloat16 scales (and, for the formats
+with a zero, the zero); both add bfloat16 activations and outputs (tests/test_quant_precision.py
+holds int4split within u (|x| |W|^T + |y|) of the exact product, u = 2^-8). int8pack re-rounds
+each row to one int8 scale (error <= half that step, max|row| / 254): on real weights, whose
+rows carry outliers, that moved the logits of q8_0, q5_* and q6_k files ~3x as far as int4pack's
+(docs/performance.md, "Quantized kernels"), so it is kept only where rows are looked up.
+dequant is bit-exact (gguf's float32 weights), rebuilt tile by tile every forward.
+CELERYTP_QUANT_KERNEL=dequant forces the exact path; =int8pack runs the int8pack types of before
+(one scale per row: 1.0 byte/weight instead of int4split's 1.25). Each fast kernel is checked
+once per process against dequant on a probe matrix; on an error or a mismatch the layer takes
+the next kernel (int4split -> int8pack -> dequant, logged).
 """
 
 from __future__ import annotations
@@ -41,7 +50,13 @@ log = logging.getLogger(__name__)
 T = GGMLQuantizationType
 KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 INT4_TYPES = tuple(GGML_TYPES[name] for name in TILED_FORMATS)
+# Block types whose fast kernel keeps the block scales (int4split; measured by benchmarks/quant.py
+# --files, docs/performance.md "Quantized kernels"); a weight also read by rows takes int8pack.
+SPLIT_TYPES = (T.Q8_0, T.Q8_1, T.Q8_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K)
 PROBE_RTOL = 0.02  # bf16 activations and scales: ~3 significant digits
+# int4split keeps every block scale: on the probe it is within 0.005 (int8pack's row re-rounding:
+# 0.006-0.011), so a layout that lost a scale or a zero fails it and the next kernel runs instead.
+PROBE_RTOL_KERNEL = {"int4split": 0.01}
 TILE_ELEMENTS = 1 << 22  # the dequant kernel rebuilds at most this many weights at a time
 
 
@@ -135,7 +150,9 @@ class QuantizedWeight(nn.Module):
                 f"{runs[-1].names}: only {runs[-1].start + runs[-1].data.shape[0]} of {self.out_features} rows loaded",
             )
         for run in runs:
-            self.parts.append(_Part(run.fmt, run.data, run.names, self.dtype, self.sharded, self.plan.exact))
+            self.parts.append(
+                _Part(run.fmt, run.data, run.names, self.dtype, self.sharded, self.plan.exact, self.plan.row_lookup)
+            )
 
     def summary(self) -> list[tuple[str, list[str], int]]:
         """(format, checkpoint tensors, bytes) per part."""
@@ -164,7 +181,14 @@ class _Part(nn.Module):
     """Consecutive output rows of a QuantizedWeight in one format and kernel layout."""
 
     def __init__(
-        self, fmt: QuantFormat, data: torch.Tensor, names: list[str], dtype: torch.dtype, sharded: bool, exact: bool
+        self,
+        fmt: QuantFormat,
+        data: torch.Tensor,
+        names: list[str],
+        dtype: torch.dtype,
+        sharded: bool,
+        exact: bool,
+        row_lookup: bool = False,
     ) -> None:
         super().__init__()
         self.fmt, self.names, self.rows = fmt, names, data.shape[0]
@@ -175,15 +199,15 @@ class _Part(nn.Module):
         qtype = fmt.ggml_type
         unpacked = unpack_blocks(data, qtype)
         self.offset, self.group, self.in_features = unpacked.offset, unpacked.group, unpacked.q.shape[1]
-        kernel = "dequant" if exact else preferred_kernel(qtype, data.device, dtype)
-        if kernel != "dequant":
+        kernels = ["dequant"] if exact else _candidates(qtype, data.device, dtype, row_lookup)
+        for kernel in kernels:
             try:
                 layout = make_layout(kernel, unpacked)
-            except RuntimeError as exc:  # a shape the kernel does not take
-                log.warning("%s %s: %s kernel refused (%s); using dequant", fmt.name, names, kernel, exc)
-                kernel = "dequant"
-        if kernel == "dequant":
-            layout = make_layout("dequant", unpacked)
+                break
+            except (RuntimeError, ValueError) as exc:  # a shape (or codes) the kernel does not take
+                if kernel == "dequant":
+                    raise
+                log.warning("%s %s: %s kernel refused (%s); trying the next", fmt.name, names, kernel, exc)
         self.kernel = kernel
         for name, value in layout.items():
             self.register_buffer(name, _mark(value, sharded) if value is not None else None)
@@ -224,14 +248,31 @@ class _Part(nn.Module):
 # ---- layouts and kernels (pure functions of tensors, testable alone) -----------------------------
 
 
-def preferred_kernel(qtype: GGMLQuantizationType, device: torch.device, dtype: torch.dtype) -> str:
-    """The fastest kernel that passed this process's probe for (type, device), else dequant."""
-    if os.environ.get(KERNEL_ENV, "auto") == "dequant":
-        return "dequant"
-    kernel = "int4pack" if qtype in INT4_TYPES else "int8pack"
-    if not _probe(kernel, qtype, str(device)):
-        return "dequant"
-    return kernel
+def preferred_kernel(
+    qtype: GGMLQuantizationType, device: torch.device, dtype: torch.dtype, row_lookup: bool = False
+) -> str:
+    """The kernel a part of this type takes: the first of `_candidates` whose probe passed in this
+    process for (type, device) (int4split before int8pack: same speed, block scales kept)."""
+    return _candidates(qtype, device, dtype, row_lookup)[0]
+
+
+def _candidates(qtype: GGMLQuantizationType, device: torch.device, dtype: torch.dtype, row_lookup: bool) -> list[str]:
+    """Kernels to try for a part, best first, each having passed its probe; dequant always last.
+
+    int4pack for the 4-bit types; int4split (block scales kept) for SPLIT_TYPES unless the weight
+    is also read by rows (a tied embedding: int8pack, which has row access) or
+    CELERYTP_QUANT_KERNEL=int8pack; int8pack for any other block type.
+    """
+    mode = os.environ.get(KERNEL_ENV, "auto")  # anything but dequant or int8pack: auto
+    if mode == "dequant":
+        return ["dequant"]
+    if qtype in INT4_TYPES:
+        wanted = ["int4pack"]
+    elif qtype in SPLIT_TYPES and not row_lookup and mode != "int8pack":
+        wanted = ["int4split", "int8pack"]
+    else:
+        wanted = ["int8pack"]
+    return [k for k in wanted if _probe(k, qtype, str(device))] + ["dequant"]
 
 
 @functools.cache
@@ -245,14 +286,12 @@ def _probe(kernel: str, qtype: GGMLQuantizationType, device: str) -> bool:
     try:
         u = Unpacked(*(t.to(device) if t is not None else None for t in (u.q, u.scale, u.zero)), u.offset, u.group)
         y = run_kernel(kernel, make_layout(kernel, u), x.to(device), 64).float().cpu()
-    except (RuntimeError, NotImplementedError) as exc:
-        log.warning("quant kernel %s for %s on %s unavailable (%s); using dequant", kernel, qtype.name, device, exc)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        log.warning("quant kernel %s for %s on %s unavailable (%s); not used", kernel, qtype.name, device, exc)
         return False
     err = float((y - ref).abs().max() / ref.abs().max())
-    if err > PROBE_RTOL:
-        log.warning(
-            "quant kernel %s for %s on %s is off by %.3g (relative); using dequant", kernel, qtype.name, device, err
-        )
+    if err > PROBE_RTOL_KERNEL.get(kernel, PROBE_RTOL):
+        log.warning("quant kernel %s for %s on %s is off by %.3g (relative); not used", kernel, qtype.name, device, err)
         return False
     return True
 
@@ -282,14 +321,87 @@ def make_layout(kernel: str, u: Unpacked) -> dict[str, torch.Tensor | None]:
         zero = torch.zeros_like(u.scale) if u.zero is None else u.zero
         if u.offset == 0:
             zero = zero + 8 * u.scale
-        sz = torch.stack([u.scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
-        if u.q.device.type == "cpu":
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.q.to(torch.int32).contiguous(), 1)
-        else:
-            pairs = (u.q[:, 0::2] << 4 | u.q[:, 1::2]).contiguous()
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_k_tiles(K))
-        return {"packed": packed, "sz": sz}
+        return {"packed": _pack_int4(u.q), "sz": _sz(u.scale, zero)}
+    if kernel == "int4split":
+        codes, scale, zero, xmul = _split(u)
+        return {"packed": _pack_int4(codes), "sz": _sz(scale, zero), "xmul": xmul}
     raise ValueError(f"unknown quant kernel {kernel!r}")
+
+
+def _sz(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """tinygemm's (groups, N, 2) bfloat16 scales and zeros from (N, groups) ones."""
+    return torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """tinygemm's packing of (N, K) codes 0..15."""
+    if codes.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    codes = codes.to(torch.uint8)
+    pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_k_tiles(codes.shape[1]))
+
+
+def _split(u: Unpacked) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4split's layout: a block's codes as 4-bit codes over 2K inputs in 32-groups, each with
+    its own scale and zero (tinygemm: w = s * (c - 8) + z), and the input multipliers xmul (2, W):
+    input j of width-W chunk i feeds K' columns (i, 0, j) and (i, 1, j), times xmul[:, j].
+
+    With w = s * (u - off) + zero the format's weight (u the unsigned code; int8 codes as
+    u = q + 128, off + 128):
+    - 32-groups (q8_0, q8_1, q8_k, q5_0, q5_1, q5_k): u = lo + 16 hi. Per 32-block two groups
+      over the same inputs: lo with scale s and zero 8 s, hi with scale 16 s, code hi - c + 8 and
+      zero `zero + s (16 c - off)`; they sum to s (u - off) + zero.
+    - 16-groups whose codes fit a nibble (q2_k, q3_k): per group one 32-group, code u - c + 8 and
+      zero `zero + s (c - off)`, then 16 columns fed zeros (xmul 0).
+    - 16-groups of 6-bit codes (q6_k: off 32, no zero): per group lo over the inputs and
+      2 hi + 5 over 8 times them: s (lo - 8) + 8 s (2 hi + 5 - 8) = s (u - 32).
+    Without a zero, c = off / 16 (32-groups) or off (16-groups): every scale, zero and multiplier
+    is then a power of two times s, or 0, so the weights are exact given s in bfloat16. With one
+    (q5_1, q5_k, q2_k), c is the codes' middle, so the zero rounded to bfloat16 is the block's
+    middle weight rather than its minimum, which is smaller (int4pack's zero + 8 s for q4_1 does
+    the same; on the probe matrix it halves q5_1's error).
+    """
+    N, K = u.q.shape
+    signed = u.q.dtype == torch.int8
+    code = u.q.to(torch.int32) + (128 if signed else 0)
+    off = u.offset + (128 if signed else 0)
+    scale, zero = u.scale, u.zero
+    ones = torch.ones(32)
+    if u.group % QK == 0:
+        r = u.group // QK
+        scale = scale.repeat_interleave(r, 1)  # (N, K/32)
+        hi = code >> 4
+        if zero is None:
+            if off % 16:
+                raise ValueError(f"int4split needs an offset that is a multiple of 16, not {off}")
+            c, zero = off // 16, torch.zeros_like(scale)
+        else:
+            c = (int(hi.max()) + 1) // 2
+            zero = zero.repeat_interleave(r, 1) + scale * (16 * c - off)
+        codes = torch.stack([(code & 15).view(N, K // QK, QK), (hi - c + 8).view(N, K // QK, QK)], 2)
+        scales = torch.stack([scale, 16 * scale], -1)
+        zeros = torch.stack([8 * scale, zero], -1)
+        xmul = torch.stack([ones, ones])
+    elif u.group == 16:
+        g = code.view(N, K // 16, 16)
+        lo, top = int(code.min()), int(code.max())
+        c = off if zero is None else (lo + top + 1) // 2
+        if top - c + 8 <= 15 and lo - c + 8 >= 0:  # one nibble
+            codes = torch.stack([g - c + 8, torch.full_like(g, 8)], 2)
+            zero = torch.zeros_like(scale) if zero is None else zero + scale * (c - off)
+            scales, zeros, xmul = scale, zero, torch.stack([ones[:16], 0 * ones[:16]])
+        else:
+            if zero is not None or off != 32:
+                raise ValueError(f"int4split takes 16-groups of 6-bit codes at offset 32 without zero, not {off}")
+            codes = torch.stack([g & 15, 2 * (g >> 4) + 5], 2)
+            scales, zeros, xmul = scale, torch.zeros_like(scale), torch.stack([ones[:16], 8 * ones[:16]])
+    else:
+        raise ValueError(f"int4split takes groups of 16 or multiples of {QK}, not {u.group}")
+    codes = codes.reshape(N, 2 * K)
+    if int(codes.min()) < 0 or int(codes.max()) > 15:
+        raise ValueError("int4split: codes out of 0..15")
+    return codes, scales.reshape(N, -1), zeros.reshape(N, -1), xmul.to(torch.bfloat16).to(u.q.device)
 
 
 def _inner_k_tiles(K: int) -> int:
@@ -311,6 +423,10 @@ def dequantize_layout(
 def run_kernel(kernel: str, b: dict[str, torch.Tensor | None], x: torch.Tensor, n: int) -> torch.Tensor:
     """y (M, n) = x (M, K) W^T with a torch weight-only kernel (bfloat16 activations)."""
     xb = x.to(torch.bfloat16).contiguous()  # the kernels read rows densely
+    if kernel == "int4split":  # each input feeds two columns (see _split)
+        M, K = xb.shape
+        W = b["xmul"].shape[1]
+        xb = (xb.view(M, K // W, 1, W) * b["xmul"]).view(M, 2 * K)
     if kernel == "int8pack":
         y = torch.ops.aten._weight_int8pack_mm(xb, b["q"], b["scale"])
     elif x.device.type == "cpu":
