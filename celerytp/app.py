@@ -9,6 +9,7 @@ Configured from the environment: CELERYTP_BROKER (Redis URL), CELERYTP_GROUP, CE
 from __future__ import annotations
 
 import os
+import sys
 
 from celerytp.core import remote_status  # noqa: F401 - registers `inspect celerytp_status`
 from celerytp.core.app import DEFAULT_BROKER, DEFAULT_GROUP
@@ -19,3 +20,8 @@ app = make_frontend_app(
     os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP),
     int(os.environ.get("CELERYTP_WORLD_SIZE", "1")),
 )
+
+if "flower" in sys.modules:  # `celery -A celerytp.app flower`: Celery loaded its command plugins first
+    from celerytp.core.safe_transport import teach_flower
+
+    teach_flower()  # its Broker page and /api/queues/length read the queues' lengths

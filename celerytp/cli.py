@@ -1,8 +1,12 @@
 """Command line: `celerytp worker` runs a rank; `serve` runs the HTTP API; the other commands
 drive a group as its leader.
 
-Every argument is checked before anything starts; a failure prints one line,
-`error: <kind>: <message>`, and exits 2 (`--debug` shows the traceback instead).
+Every argument is checked before anything starts. A failure prints one line,
+`error: <kind>: <message>` (`--debug` shows the traceback instead), and exits with
+- 2: a usage error (a bad flag or value, a missing model file, a --tp that does not fit: kind
+  `bad_request`), refused before anything starts;
+- 1: a runtime error (the broker unreachable, a load that failed, a generation error, any other kind);
+- 130: interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"error: {ErrorKind.BAD_REQUEST}: {self.prog}: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+class NoKeyOnCommandLine(argparse.Action):
+    """Refuses a key given as an argument: every user of the host would read it in `ps`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        if option_string == "--admin-key":
+            alternatives = "$CELERYTP_ADMIN_KEY or --admin-key-file PATH"
+        else:
+            alternatives = "$CELERYTP_API_KEYS (comma-separated), $CELERYTP_API_KEY or --api-key-file PATH"
+        parser.error(f"{option_string} is not accepted (a key on the command line shows in `ps`); use {alternatives}")
 
 
 def positive_int(text: str) -> int:
@@ -127,10 +143,14 @@ def leader_for(args: argparse.Namespace) -> Iterator:
 
 
 def check_broker(args: argparse.Namespace) -> None:
+    """An unreachable broker is a runtime error (exit 1), not a usage error."""
     if args.broker:
         from celerytp.server.config import reachable_broker
 
-        reachable_broker(args.broker)
+        try:
+            reachable_broker(args.broker)
+        except CeleryTPError as exc:
+            raise CeleryTPError(ErrorKind.BROKER_UNAVAILABLE, exc.message) from None
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -189,6 +209,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def checked_connection_file(args: argparse.Namespace) -> None:
+    """--connection-file: for the embedded cluster (LocalCluster reads $CELERYTP_CONNECTION_FILE)."""
+    if not args.connection_file:
+        return
+    if args.broker:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, "--connection-file is for the embedded cluster: with --broker "
+                            "(or $CELERYTP_BROKER) the workers' Redis is known already")
+    path = os.path.abspath(args.connection_file)
+    if not os.path.isdir(os.path.dirname(path)) or os.path.isdir(path):
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"--connection-file {args.connection_file!r}: not a file in "
+                            "an existing directory")
+    os.environ["CELERYTP_CONNECTION_FILE"] = path
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -198,16 +232,19 @@ def _serve(args: argparse.Namespace) -> int:
         raise CeleryTPError(ErrorKind.BAD_REQUEST, f"celerytp serve needs the server extra "
                             f"(pip install 'celerytp[server]'): {exc}") from None
     from celerytp.launch import serve
-    from celerytp.server.config import ServeConfig
+    from celerytp.server.config import ServeConfig, admin_key_from, api_keys_from
 
+    api_keys, admin_key = api_keys_from(args.api_key_file, os.environ), admin_key_from(args.admin_key_file, os.environ)
+    checked_connection_file(args)
     path = model_path(args.model)
     check_tp_fits(path, args.tp)
     config = ServeConfig(
         model_path=path, model_id=args.model_id or Path(path).stem, tp=args.tp, host=args.host, port=args.port,
-        broker=args.broker, group=args.group, api_key=args.api_key or os.environ.get("CELERYTP_API_KEY") or None,
+        broker=args.broker, group=args.group, api_keys=api_keys, admin_key=admin_key,
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
         frontend=not args.no_frontend, request_timeout=args.request_timeout,
     )
+    check_broker(args)  # an unreachable broker: exit 1 (check_environment would call it a usage error)
     config.check_environment()
     return serve(config)
 
@@ -263,6 +300,16 @@ def _models(args: argparse.Namespace) -> int:
         print(f"unloaded {args.model}")
     else:
         print(json.dumps(held_models(leader), indent=2))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from celerytp.client.leader import Leader
+    from celerytp.client.status import cluster_status, render
+
+    check_broker(args)
+    report = cluster_status(Leader(args.broker, args.group, args.tp), timeout=args.timeout)
+    print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
 
@@ -323,13 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face model directory (default: SmolLM2)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="Bearer key clients must send (default: $CELERYTP_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="inference keys, one a line (also: $CELERYTP_API_KEYS comma-separated, $CELERYTP_API_KEY)")
+    serve.add_argument("--admin-key-file", default=None, metavar="PATH",
+                       help="the key of the /admin endpoints (also: $CELERYTP_ADMIN_KEY; neither: they are off)")
+    serve.add_argument("--api-key", "--admin-key", action=NoKeyOnCommandLine, help=argparse.SUPPRESS)
     serve.add_argument("--model-id", default=None, help="the name clients use (default: the file name)")
     serve.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
     serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     serve.add_argument("--max-context", type=positive_int, default=None, help="tokens per request (default: what fits)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     serve.add_argument("--no-frontend", action="store_true", help="do not consume celerytp.generate Celery tasks")
+    serve.add_argument("--connection-file", default=os.environ.get("CELERYTP_CONNECTION_FILE"), metavar="PATH",
+                       help="the embedded cluster writes how to reach its Redis here (mode 0600: CELERYTP_BROKER, "
+                            "CELERYTP_GROUP, CELERYTP_WORLD_SIZE lines), for Flower and `celery -A celerytp.app` "
+                            "(default: $CELERYTP_CONNECTION_FILE)")
     add_leader_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -356,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="unload: from every group serving the model (default: --group only)")
     add_leader_args(models, broker_required=True)
     models.set_defaults(func=_models)
+
+    status = sub.add_parser("status", parents=[common],
+                            help="groups, ranks (alive, busy, RSS), models, queues and serving loops, on one screen")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for the ranks' answers")
+    add_leader_args(status, broker_required=True)
+    status.set_defaults(func=_status)
     return parser
 
 
@@ -368,6 +430,16 @@ def add_leader_args(parser: argparse.ArgumentParser, broker_required: bool = Fal
                         + ("" if broker_required else "; neither: an embedded LocalCluster"))
 
 
+USAGE_ERROR, RUNTIME_ERROR = 2, 1
+
+
+def exit_code(exc: CeleryTPError) -> int:
+    """2 for a usage error (bad input, refused here before anything ran), 1 for a runtime error
+    (any other kind, or a refusal that came back from the ranks: an op had started)."""
+    refused_here = exc.op is None and all(f.rank is None for f in exc.failures)
+    return USAGE_ERROR if exc.kinds == {ErrorKind.BAD_REQUEST} and refused_here else RUNTIME_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -378,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {exc.kind}: {mask_secrets(exc.message)}", file=sys.stderr)
-        return 2
+        return exit_code(exc)
     except Exception as exc:  # a failure outside celerytp's own checks (a worker that died, ...)
         if args.debug:
             raise

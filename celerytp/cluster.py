@@ -2,13 +2,19 @@
 
 The private Redis keeps its data in an append-only file (fsync every second) in the cluster's
 state directory, so a Redis restart loses no queued request and no registry entry. Another
-LocalCluster can join it with `broker_url` (a second group: a replica of the same models)."""
+LocalCluster can join it with `broker_url` (a second group: a replica of the same models).
+
+Reaching it from outside (Flower, `celery inspect`, a Celery producer): `connection_file` (or
+$CELERYTP_CONNECTION_FILE) names a file, written mode 0600 once the group is formed and removed
+when the cluster stops, holding CELERYTP_BROKER, CELERYTP_GROUP and CELERYTP_WORLD_SIZE as
+KEY=VALUE lines (a shell's `set -a; . FILE`, `docker --env-file`, systemd's EnvironmentFile)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -93,6 +99,8 @@ class LocalCluster:
         kill_stuck: the supervisor also SIGKILLs (and restarts) a worker whose heartbeat lapsed
             while its process lives (e.g. SIGSTOPped); off, it restarts on exit only, as systemd
             and compose do.
+        connection_file: where to write how to reach the cluster (the broker URL with its
+            password: mode 0600; default $CELERYTP_CONNECTION_FILE, none if unset).
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class LocalCluster:
         kill_stuck: bool = True,
         broker_url: str | None = None,
         state_dir: str | os.PathLike | None = None,
+        connection_file: str | os.PathLike | None = None,
     ):
         self.world_size = world_size
         self.group = group
@@ -132,6 +141,9 @@ class LocalCluster:
         # Its own password unless the operator names one (to reach the private Redis from outside).
         self._password = os.environ.get("CELERYTP_LOCAL_REDIS_PASSWORD") or secrets.token_urlsafe(24)
         self.leader: Leader | None = None
+        connection_file = connection_file or os.environ.get("CELERYTP_CONNECTION_FILE") or None
+        self.connection_file = Path(connection_file) if connection_file else None
+        self._connection_written = False  # stop() removes only a file this cluster wrote
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -157,6 +169,28 @@ class LocalCluster:
             self.leader.init()
         if self.supervise:
             threading.Thread(target=self._supervise, name="celerytp-supervisor", daemon=True).start()
+        if self.connection_file is not None:
+            self.write_connection_file(self.connection_file)
+            self._connection_written = True
+
+    def connection_env(self) -> dict[str, str]:
+        """The environment that reaches this cluster: `celery -A celerytp.app ...` reads it."""
+        return {"CELERYTP_BROKER": self.broker_url, "CELERYTP_GROUP": self.group,
+                "CELERYTP_WORLD_SIZE": str(self.world_size)}
+
+    def write_connection_file(self, path: str | os.PathLike) -> None:
+        """`connection_env()` as KEY=VALUE lines, mode 0600 from the start (it holds the Redis
+        password), replacing the file atomically. Never printed."""
+        path = Path(path)
+        lines = "".join(f"{k}={shlex.quote(v)}\n" for k, v in self.connection_env().items())
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # a stale temporary file keeps its mode: make it 0600
+            os.write(fd, lines.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -166,6 +200,8 @@ class LocalCluster:
             _stop(proc, grace=10)
         if self.redis_proc is not None and not self._joined:
             _stop(self.redis_proc, grace=5)
+        if self.connection_file is not None and self._connection_written:  # it names a gone Redis
+            self.connection_file.unlink(missing_ok=True)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     @property

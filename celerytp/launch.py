@@ -71,12 +71,13 @@ def frontend_process(leader: Leader) -> Iterator[subprocess.Popen]:
 
 def banner(config: ServeConfig, leader: Leader) -> str:
     url = f"http://{config.host}:{config.port}"
-    key = "$CELERYTP_API_KEY" if config.api_key else "none"
-    auth = ' -H "Authorization: Bearer $CELERYTP_API_KEY"' if config.api_key else ""
+    key = f"{len(config.api_keys)} key(s)" if config.api_keys else "none (the API is open)"
+    admin = "on (admin key)" if config.admin_key else "off (no admin key)"
+    auth = ' -H "Authorization: Bearer $KEY"' if config.api_keys else ""
     return "\n".join([
         (f"celerytp serving {config.model_id!r} at {url}/v1 (tp={config.tp}, group {leader.group!r}, "
          f"broker {mask_secrets(leader.broker_url)})"),
-        f"  API key: {key}; health: {url}/health; metrics: {url}/metrics",
+        f"  API keys: {key}; /admin: {admin}; health: {url}/health; metrics: {url}/metrics",
         f"  try: curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
         f"         -d '{{\"model\": \"{config.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
         f"  Celery: send_task('celerytp.generate', kwargs={{...}}, queue='celerytp.{leader.group}.requests')",
@@ -99,7 +100,7 @@ def serve(config: ServeConfig) -> int:
         with contextlib.ExitStack() as stack:
             if config.frontend:
                 stack.enter_context(frontend_process(leader))
-            app = create_app(Service(leader, Metrics()), config.api_key)
+            app = create_app(Service(leader, Metrics()), config.api_keys, config.admin_key)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                    timeout_graceful_shutdown=5))
             say(banner(config, leader))

@@ -23,6 +23,7 @@ from celerytp.client.registry import keep_replica
 from celerytp.core.liveness import read_owners
 
 KEY = "test-key-123"
+ADMIN_KEY = "test-admin-key-456"
 
 
 REDIS_PASSWORD = "served-test-password"
@@ -32,7 +33,8 @@ REDIS_PASSWORD = "served-test-password"
 def served(tmp_path_factory):
     """`celerytp serve --tp 2` (embedded: private Redis + 2 rank workers) in a subprocess, once the
     model answers; on teardown Ctrl-C must stop it and its workers."""
-    with start_served(tmp_path_factory, "--api-key", KEY, "--max-batch", "4", redis_password=REDIS_PASSWORD) as served:
+    with start_served(tmp_path_factory, "--max-batch", "4", redis_password=REDIS_PASSWORD,
+                      env={"CELERYTP_API_KEY": KEY, "CELERYTP_ADMIN_KEY": ADMIN_KEY}) as served:
         yield served
 
 
@@ -205,7 +207,7 @@ def test_plain_celery_app_sends_generate(group):
 
 
 def test_two_models_and_admin_endpoints(client, server, group):
-    auth = {"Authorization": f"Bearer {KEY}"}
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
     loaded = httpx.post(f"{server}/admin/models", json={"model": "smol-b", "max_batch": 1, "max_queue": 1},
                         headers=auth, timeout=120)
     assert loaded.status_code == 200, loaded.text
@@ -231,7 +233,7 @@ def test_two_models_and_admin_endpoints(client, server, group):
     assert httpx.delete(f"{server}/admin/models/smol-b", headers=auth, timeout=60).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
     gone = cli("celerytp", "models", "unload", "smol-b", "--broker", group.broker_url, "--group", "srv", "--tp", "2")
-    assert gone.returncode == 2 and gone.stderr.startswith("error: model_not_loaded: "), gone.stderr
+    assert gone.returncode == 1 and gone.stderr.startswith("error: model_not_loaded: "), gone.stderr
     assert client.completions.create(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0).choices[0].text == a
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="smol-b", prompt="One", max_tokens=2)
@@ -316,10 +318,11 @@ def test_metrics_count_requests(client, server):
 
 def test_health_names_a_stopped_rank(client, server, group):
     """Last in the module: it stops rank 1's worker."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the ranks' pids are for the admin key only
     assert httpx.get(f"{server}/health").json()["ok"] is True
-    os.kill(httpx.get(f"{server}/health").json()["ranks"][1]["pid"], signal.SIGTERM)
+    os.kill(httpx.get(f"{server}/health", headers=admin).json()["ranks"][1]["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while (health := httpx.get(f"{server}/health")).status_code != 503:
+    while (health := httpx.get(f"{server}/health", headers=admin)).status_code != 503:
         assert time.monotonic() < deadline, health.text
         time.sleep(0.2)
     assert health.json()["dead_ranks"] == [1]

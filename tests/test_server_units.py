@@ -41,14 +41,36 @@ def test_bodies_are_checked_with_the_field_named():
     assert refused(TaskRequest, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}).startswith(
         "field 'body': give exactly one")
     assert refused(TaskRequest, ["not", "an", "object"]).startswith("field 'body'")
+    hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert refused(ChatRequest, {**hi, "unknown_sdk_field": 1}).startswith(
+        "field 'unknown_sdk_field': not a field")  # never silently ignored
+    for name, value in [("suffix", "x"), ("best_of", 2), ("best_of", True), ("presence_penalty", 0.5),
+                        ("logit_bias", {"5": 10}), ("min_p", 0.1), ("frequency_penalty", -1)]:
+        assert refused(CompletionRequest, {"model": "m", "prompt": "a", name: value}).startswith(
+            f"field '{name}': not supported"), name
+    assert refused(ChatRequest, {**hi, "stream": "yes"}).startswith("field 'stream'")  # no coercion
+    assert refused(ChatRequest, {**hi, "max_tokens": "5"}).startswith("field 'max_tokens'")
+    assert refused(ChatRequest, {**hi, "logprobs": 1}).startswith("field 'logprobs'")
+    for bad in (float("nan"), float("inf")):
+        assert refused(ChatRequest, {**hi, "temperature": bad}) == "field 'temperature': must be a finite number"
+    assert refused(ChatRequest, {**hi, "stream_options": {"include_usage": "yes"}}).startswith(
+        "field 'stream_options.include_usage'")
+    assert refused(ChatRequest, {**hi, "top_k": -2}).startswith("field 'top_k'")
+    assert refused(ChatRequest, {**hi, "repetition_penalty": 0}).startswith("field 'repetition_penalty'")
+    assert refused(ChatRequest, {**hi, "top_logprobs": 2}) == 'field \'top_logprobs\': needs "logprobs": true'
+    assert refused(ChatRequest, {**hi, "logprobs": True, "stream": True}).startswith(
+        "field 'logprobs': not returned in a stream")  # not null in every chunk
+    assert refused(CompletionRequest, {"model": "m", "prompt": "a", "logprobs": 2, "stream": True}).startswith(
+        "field 'logprobs': not returned in a stream")
 
 
 def test_options_map_openai_names_to_the_leader():
     chat = parse(ChatRequest, {"model": "m", "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True,
-                               "top_logprobs": 3, "unknown_sdk_field": 1,
+                               "top_logprobs": 3, "presence_penalty": 0, "top_k": -1, "repetition_penalty": 1.2,
                                "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]}]})
     options = chat.options()
     assert options["max_tokens"] == 7 and options["logprobs"] == 3
+    assert options["top_k"] == 0 and options["repetition_penalty"] == 1.2 and "presence_penalty" not in options
     assert options["messages"] == [{"role": "system", "content": "be brief"}]
 
 

@@ -13,6 +13,7 @@ import redis
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.keys import control_queue_key, control_reply_key
 from celerytp.core.liveness import RankWatch
+from celerytp.core.redis_client import unavailable
 
 POLL_S = 0.25  # one blocking pop; the ranks' liveness is checked between them
 QUEUE_TTL_S = 60  # requests to a rank whose worker is gone do not pile up
@@ -51,6 +52,8 @@ def control_call(client: redis.Redis, group: str, world_size: int, op: str, time
             lost = {r: why for r, why in watch.lost().items() if r not in replies}
             if lost:
                 raise CeleryTPError.from_failures(op, [RankFailure(r, ErrorKind.RANK_LOST, why) for r, why in sorted(lost.items())])
+    except redis.AuthenticationError as exc:  # a wrong password is no timeout
+        raise unavailable(exc) from None
     except redis.RedisError as exc:
         raise CeleryTPError(ErrorKind.TIMEOUT, f"Redis failed during {op}: {exc}", op=op) from None
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from celerytp.client.requests import Done, PendingRequest
@@ -49,6 +49,8 @@ class GenerationResult:
     queued_s: float = 0.0  # waiting for a free row (fused)
     reused_tokens: int = 0  # prompt tokens found already cached (prefix reuse)
     logprobs: list | None = None  # per token: [logprob, [[id, logprob], ...]] when asked for
+    token_gaps_s: list[float] = field(default_factory=list)  # between sampled tokens (fused; for metrics)
+    resumed: bool = False  # resumed after a group failed under it
 
     @property
     def completion_tokens(self) -> int:
@@ -76,13 +78,14 @@ class Prepared:
     started: float
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str | None, messages: list[dict] | None) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str | None, messages: list[dict] | None,
+               tools: list[dict] | None = None) -> list[int]:
     if (prompt is None) == (messages is None):
         raise bad_request("prompt", "give exactly one of prompt and messages")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages", "a non-empty list of {role, content} objects is required")
-        return tokenizer.apply_chat_template(messages)
+        return tokenizer.apply_chat_template(messages, tools=tools) if tools else tokenizer.apply_chat_template(messages)
     if not isinstance(prompt, str) or not prompt:
         raise bad_request("prompt", "a non-empty string is required")
     return tokenizer.encode(prompt)
@@ -103,15 +106,19 @@ def prepare(
     request_id: str | None = None,
     stream: bool = False,
     ignore_eos: bool = False,
+    grammar: dict[str, Any] | None = None,
+    tools: list[dict] | None = None,
 ) -> Prepared:
     """Tokenize and check a request on the leader against the loaded model's `record`.
 
     Bad arguments raise CeleryTPError(bad_request) naming the field, checked as the ranks
     check them. `ignore_eos` generates on past EOS to max_tokens (benchmarks, like vLLM's option).
+    `grammar` constrains the output (structured output, worker/grammar.py); `tools` go to a chat
+    template that renders them (server/tools.py decides).
     """
     started = time.perf_counter()
     tokenizer = load_tokenizer(record["path"])
-    ids = prompt_ids(tokenizer, prompt, messages)
+    ids = prompt_ids(tokenizer, prompt, messages, tools)
     given = {
         "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
         "seed": seed, "logprobs": logprobs,
@@ -124,7 +131,13 @@ def prepare(
         "sampling": params.to_dict(), "stop": [s for s in stops if s] if isinstance(stops, list) else stops or [],
         "stream": stream, "eos_token_ids": [] if ignore_eos else sorted(tokenizer.eos_token_ids),
     }
+    if grammar is not None:
+        spec["grammar"] = grammar
     check_spec(record, spec)
+    room = record["max_context"] - len(ids)
+    if max_tokens is not None and max_tokens > room:  # asked for: refused, not clamped (as vLLM)
+        raise bad_request("max_tokens", f"{max_tokens} new tokens after the prompt's {len(ids)} exceed the context "
+                                        f"limit {record['max_context']}; ask for at most {room}")
     return Prepared(tokenizer, spec, params, spec["stop"], started)
 
 
@@ -141,13 +154,15 @@ def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
         text=text, token_ids=row.token_ids, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
         request_id=row.request_id, ttft_s=row.ttft_s, decode_s=row.decode_s,
         total_s=time.perf_counter() - prepared.started, mode=mode, queued_s=row.queued_s,
-        reused_tokens=row.reused_tokens, logprobs=row.logprobs,
+        reused_tokens=row.reused_tokens, logprobs=row.logprobs, token_gaps_s=row.token_gaps_s, resumed=row.resumed,
     )
 
 
 def run_steps(step: StepFn, prepared: Prepared, max_context: int) -> RowResult:
     """Step mode: chunked prefill, then one `step` chord per token."""
     spec, ids = prepared.spec, prepared.spec["prompt"]
+    if spec.get("grammar") is not None:
+        raise bad_request("grammar", "structured output runs in the serving loop (fused mode) only")
     checker = StopChecker(
         set(spec["eos_token_ids"]), spec["max_tokens"], len(ids), max_context, prepared.stops, prepared.tokenizer.decode
     )
@@ -178,6 +193,7 @@ class TokenStream:
         self.request_id = prepared.spec["request_id"]
         self.result: GenerationResult | None = None
         self.ttft_s: float | None = None
+        self.tokens = 0  # tokens received so far
         self._pending = pending
         self._prepared = prepared
         self._timeout = timeout
@@ -192,6 +208,7 @@ class TokenStream:
                     self.result = finish(self._prepared, event.result, "fused")
                     break
                 self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
+                self.tokens += 1
                 delta = text.feed(event.id)
                 if delta:
                     yield delta

@@ -23,6 +23,7 @@ class ErrorKind(StrEnum):
     FORWARD_FAILED = "forward_failed"
     OVERLOADED = "overloaded"
     BROKER_UNAVAILABLE = "broker_unavailable"  # Redis stayed unreachable past the retry window
+    BROKER_AUTH_FAILED = "broker_auth_failed"  # Redis refused the password (or user) of the broker URL
     RETRIES_EXHAUSTED = "retries_exhausted"  # a request's group failed under it on every attempt
     INTERNAL = "internal"
 

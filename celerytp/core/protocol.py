@@ -108,6 +108,9 @@ class GenSpec(Message):
     # Set by the rank 0 that resumes a request whose earlier group failed under it: the tokens
     # already streamed to the client. The loop feeds them after the prompt and goes on from there.
     resumed: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1 << 20)] = []
+    # Structured output (worker/grammar.py): {"json_schema": {...}} or {"lark": "..."}; rank 0
+    # masks the row's logits to what the grammar allows. None: unconstrained.
+    grammar: dict[str, Any] | None = None
 
 
 LoopId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -214,6 +217,10 @@ class RowResult(BaseModel):
     queued_s: float = 0.0
     reused_tokens: int = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # rank 0's time between consecutive sampled tokens (s, rounded to 0.1 ms), for the inter-token
+    # latency histogram; and whether the request resumed after a group failed under it
+    token_gaps_s: list[float] = []
+    resumed: bool = False
 
 
 class ServeResult(Reply):

@@ -41,13 +41,26 @@ def retries_for(window_s: float) -> int:
     return retries
 
 
+class RetryOutages(Retry):
+    """redis-py's Retry, less a refused password: AuthenticationError is a ConnectionError to
+    redis-py, but waiting does not fix a wrong password, so it fails at once."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[no-untyped-def]
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, redis.AuthenticationError):
+                return False
+            return is_retryable(error) if is_retryable is not None else True
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def connect(url: str, window_s: float | None = None) -> redis.Redis:
     """A client of the Redis at `url` that retries through an outage of `window_s` (default: the
     configured window)."""
     window = retry_window_s() if window_s is None else window_s
     return redis.Redis.from_url(
         url,
-        retry=Retry(ExponentialBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), retries_for(window)),
+        retry=RetryOutages(ExponentialBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), retries_for(window)),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         socket_connect_timeout=5.0,
         socket_keepalive=True,
@@ -57,6 +70,10 @@ def connect(url: str, window_s: float | None = None) -> redis.Redis:
 
 
 def unavailable(exc: redis.RedisError) -> CeleryTPError:
+    if isinstance(exc, redis.AuthenticationError):  # not an outage: the URL's password (or user) is wrong
+        return CeleryTPError(
+            ErrorKind.BROKER_AUTH_FAILED, f"Redis refused the broker URL's credentials (authentication failed): {exc}"
+        )
     return CeleryTPError(
         ErrorKind.BROKER_UNAVAILABLE, f"Redis is unreachable (retried for {retry_window_s():.0f}s): {type(exc).__name__}: {exc}"
     )

@@ -9,6 +9,12 @@ logged, copied to the group's dead-letter list (keys: `<queue>.deadletter`, newe
 bounded) and dropped, so it is never redelivered. Task queues (a rank's, the front door's) get
 every check; other queues (remote-control replies) only need JSON objects. Set with the Celery
 `broker_transport` option.
+
+A message dropped from the front door's queue (`celerytp.<group>.requests`) whose headers name a
+task id fails that task: a FAILURE result (`RuntimeError("bad_request: ...")`, as the front door
+fails a bad request) is written where Celery's Redis result backend keeps it, on this broker's
+Redis, so its producer's `result.get()` raises at once instead of waiting PENDING to its timeout.
+A result already stored for that id is never overwritten.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import base64
 import binascii
 import json
 import logging
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -31,6 +39,9 @@ log = logging.getLogger(__name__)
 KOMBU_BRPOP_READ_SHA256 = "c42518699709f2df90f55a048fe6346612ae5527e5c4a6819f2c0920dc62088f"
 
 DEAD_LETTER_MAX = 1000
+RESULT_KEY_PREFIX = "celery-task-meta-"  # Celery's Redis result backend: the key (and channel) of a task's result
+RESULT_TTL_S = 3600  # result_expires (core/app.py)
+_TASK_ID = re.compile(r"[A-Za-z0-9._:-]{1,255}")
 MAX_MESSAGE_BYTES = 8 << 20  # the largest op (a step of 131,072 tokens) is about 1 MiB of JSON
 JSON = "application/json"
 SIGNED = "application/data"  # Celery's `auth` serializer: a signed JSON body, checked by Celery itself
@@ -48,6 +59,31 @@ def dead_letter_key(queue: str) -> str:
 def is_task_queue(queue: str) -> bool:
     """A queue of celerytp task messages: a rank's, or the `celerytp.generate` front door's."""
     return queue.startswith("celerytp.") and (".rank." in queue or queue.endswith(".requests"))
+
+
+def is_requests_queue(queue: str) -> bool:
+    """The `celerytp.generate` front door's queue, whose producers wait on a task result."""
+    return queue.startswith("celerytp.") and queue.endswith(".requests")
+
+
+def refused_task_id(raw: bytes | str) -> str | None:
+    """The task id a refused message names in its headers, when it names a plausible one."""
+    try:
+        envelope = json.loads(bytes_to_str(raw)) if len(raw) <= MAX_MESSAGE_BYTES else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    headers = envelope.get("headers") if isinstance(envelope, dict) else None
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) and _TASK_ID.fullmatch(task_id) else None
+
+
+def failure_result(task_id: str, message: str) -> str:
+    """A FAILURE as Celery's JSON result backend stores it; the producer rebuilds a RuntimeError."""
+    return json.dumps({
+        "status": "FAILURE", "task_id": task_id, "traceback": None, "children": [],
+        "date_done": datetime.now(UTC).isoformat(),
+        "result": {"exc_type": "RuntimeError", "exc_module": "builtins", "exc_message": [message]},
+    })
 
 
 def check_json_object(raw: bytes | str) -> dict[str, Any]:
@@ -103,6 +139,19 @@ class Channel(kombu_redis.Channel):
                 client.pipeline().lpush(key, raw[:65536]).ltrim(key, 0, DEAD_LETTER_MAX - 1).execute()
         except Exception as exc:  # the broker went away: the message is logged above
             log.warning("could not dead-letter the message: %s", exc)
+        task_id = refused_task_id(raw) if is_requests_queue(queue) else None
+        if task_id is not None:
+            self._fail_task(task_id, f"bad_request: the message was refused and dead-lettered: {why[:300]}")
+
+    def _fail_task(self, task_id: str, message: str) -> None:
+        """Fail the task a refused message named, so its producer stops waiting."""
+        key, value = RESULT_KEY_PREFIX + task_id, failure_result(task_id, message)
+        try:
+            with self.conn_or_acquire() as client:
+                if client.set(key, value, ex=RESULT_TTL_S, nx=True):  # never over a real result
+                    client.publish(key, value)
+        except Exception as exc:  # the broker went away: the producer waits to its own timeout
+            log.warning("could not fail task %s of a refused message: %s", task_id, exc)
 
     def _checked(self, queue: str, raw: bytes) -> dict[str, Any] | None:
         try:
@@ -149,3 +198,31 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+TRANSPORT = f"{__name__}:Transport"  # the `broker_transport` setting (core/app.py)
+
+
+def as_redis_url(uri: str) -> str:
+    """kombu names a broker URI after its transport: `celerytp.core.safe_transport:Transport://...`
+    for ours. The plain `redis://` URL of the same Redis, for tools that read its queues themselves."""
+    prefix = f"{TRANSPORT}://"
+    return "redis://" + uri[len(prefix):] if uri.startswith(prefix) else uri
+
+
+def teach_flower() -> None:
+    """Flower's Broker page and /api/queues/length pick their queue reader by the broker URI's scheme
+    and know `redis://`, not ours (they answer 404). Give them the same Redis as `redis://`: they only
+    read queue lengths (LLEN); Flower's own consumers (events, replies) still use this transport.
+    Called where `celery -A celerytp.app` runs with Flower loaded (celerytp/app.py)."""
+    from flower.utils import broker
+
+    if getattr(broker.Broker, "_celerytp_scheme", False):
+        return
+    flower_new = broker.Broker.__new__
+
+    def __new__(cls, broker_url, *args, **kwargs):
+        return flower_new(cls, as_redis_url(broker_url), *args, **kwargs)
+
+    broker.Broker.__new__ = staticmethod(__new__)
+    broker.Broker._celerytp_scheme = True

@@ -71,12 +71,15 @@ class Tokenizer:
         """Token ids of `text`, with the special tokens the tokenizer adds by default (e.g. BOS)."""
         return self.backend.encode(text, add_special_tokens=True).ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat, ending with the assistant's generation prompt."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat, ending with the assistant's generation prompt (`tools`: OpenAI's
+        tool list, for a template that renders them)."""
         if not self.chat_template:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'messages': this model has no chat template; send a prompt")
         try:
-            text = _compile(self.chat_template).render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            extra = {"tools": tools} if tools else {}
+            text = _compile(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                       **self.special_tokens, **extra)
         except jinja2.TemplateError as exc:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'messages': the chat template refused them: {exc}") from None
         return self.backend.encode(text, add_special_tokens=False).ids  # the template writes its own BOS

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -34,6 +35,9 @@ def reachable_broker(url: str, timeout_s: float = 3.0) -> None:
     """Ping the Redis at `url`; a refused, unknown or password-protected host says so (password masked)."""
     try:
         redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s).ping()
+    except redis.AuthenticationError as exc:
+        raise bad(f"the broker at {mask_secrets(url)} refused its password (authentication failed): "
+                  f"{mask_secrets(str(exc))}") from None
     except (redis.RedisError, ValueError, OSError) as exc:
         raise bad(f"cannot reach the broker at {mask_secrets(url)}: {mask_secrets(str(exc))}") from None
 
@@ -50,6 +54,50 @@ def free_port(host: str, port: int) -> None:
             raise bad(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
+def _checked_key(key: str, where: str) -> str:
+    """A key as an Authorization header can carry it; the message never shows the key."""
+    if not key.isascii() or not key.isprintable() or " " in key:
+        raise bad(f"{where}: a key must be printable ASCII without spaces")
+    return key
+
+
+def keys_from_file(path: str, option: str) -> tuple[str, ...]:
+    """The keys in a file, one a line (blank lines and `#` comments skipped)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise bad(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise bad(f"{option}: {path} is not UTF-8 text") from None
+    lines = [line.strip() for line in text.splitlines()]
+    keys = tuple(_checked_key(line, f"{option} {path}") for line in lines if line and not line.startswith("#"))
+    if not keys:
+        raise bad(f"{option}: {path} holds no key")
+    return keys
+
+
+def api_keys_from(key_file: str | None, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The inference keys: --api-key-file, $CELERYTP_API_KEYS (comma-separated) and $CELERYTP_API_KEY
+    together; none: the API is open."""
+    keys = list(keys_from_file(key_file, "--api-key-file")) if key_file else []
+    keys += [_checked_key(k.strip(), "$CELERYTP_API_KEYS") for k in env.get("CELERYTP_API_KEYS", "").split(",")
+             if k.strip()]
+    if env.get("CELERYTP_API_KEY", "").strip():
+        keys.append(_checked_key(env["CELERYTP_API_KEY"].strip(), "$CELERYTP_API_KEY"))
+    return tuple(dict.fromkeys(keys))
+
+
+def admin_key_from(key_file: str | None, env: Mapping[str, str]) -> str | None:
+    """The admin key: --admin-key-file (one key) or $CELERYTP_ADMIN_KEY; none: the admin endpoints are off."""
+    if key_file:
+        keys = keys_from_file(key_file, "--admin-key-file")
+        if len(keys) != 1:
+            raise bad(f"--admin-key-file: {key_file} must hold exactly one key, found {len(keys)}")
+        return keys[0]
+    key = env.get("CELERYTP_ADMIN_KEY", "").strip()
+    return _checked_key(key, "$CELERYTP_ADMIN_KEY") if key else None
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """Args:
@@ -59,7 +107,8 @@ class ServeConfig:
     host, port: where the HTTP API listens.
     broker: Redis URL of running rank workers; None: an embedded LocalCluster.
     group: the rank workers' group.
-    api_key: Bearer key required on the API (None: open).
+    api_keys: Bearer keys, any one of which opens the API (empty: open).
+    admin_key: Bearer key of the /admin endpoints and /health's details (None: the admin endpoints are off).
     quant, max_batch, max_context: load settings.
     frontend: also consume `celerytp.generate` tasks (the Celery front door).
     request_timeout: seconds a request may take before it is cancelled and answered 504.
@@ -72,7 +121,8 @@ class ServeConfig:
     port: int = 8000
     broker: str | None = None
     group: str = "default"
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_key: str | None = field(default=None, repr=False)
     quant: str | None = None
     max_batch: int = 16
     max_context: int | None = None
@@ -87,6 +137,8 @@ class ServeConfig:
             raise bad(f"--request-timeout must be > 0, got {self.request_timeout}")
         if not self.model_id:
             raise bad("--model-id must not be empty")
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise bad("the admin key must differ from every inference key")
 
     def check_environment(self) -> None:
         """What can be refused before starting: the model file, the port, the broker."""

@@ -1,18 +1,24 @@
 """The Celery front door: a `celerytp.generate` task that any Celery producer can send.
 
 It takes the HTTP API's fields as kwargs (`model`, `prompt` or `messages`, max_tokens,
-temperature, top_p, seed, stop, ...), validated the same way, and returns a JSON dict. A failure
-is a task failure whose message starts with the error kind (`bad_request: field 'x': ...`); it is
-raised as a builtin RuntimeError so that a producer without celerytp installed can rebuild it.
+temperature, top_p, seed, stop, ...), validated the same way, and returns a JSON dict. An unknown
+kwarg or a positional argument is refused. A failure is a task failure whose message starts with
+the error kind, the same kind the HTTP API puts in `code` (`bad_request: field 'x': ...`,
+`model_not_found: ...`); it is raised as a builtin RuntimeError so that a producer without
+celerytp installed can rebuild it. While it generates, the task is in state PROGRESS with
+`{"model", "text", "tokens"}` so far as its info (updated at most every PROGRESS_S).
 A task revoked or expired while it runs cancels its request and ends REVOKED, as Celery ends a
 task revoked before it starts. Tasks are acknowledged late: one whose front-door worker died is
 redelivered, and runs as a follower of its request (the task id is the request id), not twice.
+Finished and failed requests are counted where the HTTP API counts its own (Service.count, in
+Redis), so any server's /metrics shows the Celery traffic too.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -26,16 +32,20 @@ from kombu import Queue
 
 from celerytp.client.leader import Leader
 from celerytp.core.app import make_app
-from celerytp.core.errors import CeleryTPError
+from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import mask_secrets
 from celerytp.server.schemas import TaskRequest, parse
-from celerytp.server.service import Service
+from celerytp.server.service import Service, error_code
 
 log = logging.getLogger(__name__)
 
 GENERATE_TASK = "celerytp.generate"
 ABANDON_POLL_S = 0.2  # how often a running task looks for its own revocation or expiry
 FRONT_DOOR_VISIBILITY_S = 300
+PROGRESS_S = 0.25  # a running task's PROGRESS state is written at most this often
+PROGRESS = "PROGRESS"
+# Request fields of the HTTP API the task refuses: it reports progress through its state instead.
+NOT_FOR_TASKS = frozenset({"stream", "stream_options"})
 
 
 def requests_queue(group: str) -> str:
@@ -43,11 +53,52 @@ def requests_queue(group: str) -> str:
     return f"celerytp.{group}.requests"
 
 
-def run_request(service: Service, kwargs: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
-    """One `celerytp.generate` request, as the task returns it."""
-    body = parse(TaskRequest, kwargs)
+def task_fields() -> frozenset[str]:
+    """The kwargs `celerytp.generate` takes: the request model's fields, less the streaming ones."""
+    return frozenset(TaskRequest.model_fields) - NOT_FOR_TASKS
+
+
+def check_call(args: tuple, kwargs: dict[str, Any]) -> TaskRequest:
+    """The task's arguments as a request; bad_request naming the first field that is not one."""
+    if args:
+        raise CeleryTPError(
+            ErrorKind.BAD_REQUEST,
+            f"field 'args': celerytp.generate takes keyword arguments only (send_task(..., kwargs={{...}})), "
+            f"got {len(args)} positional",
+        )
+    allowed = task_fields()
+    unknown = sorted(str(name) for name in kwargs if name not in allowed)
+    if unknown:
+        raise CeleryTPError(
+            ErrorKind.BAD_REQUEST, f"field '{unknown[0]}': not a celerytp.generate argument; it takes {sorted(allowed)}"
+        )
+    if kwargs.get("n", 1) != 1:  # one stream, one completion, whatever the HTTP API allows
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'n': celerytp.generate makes one completion (send several tasks)")
+    return parse(TaskRequest, kwargs)
+
+
+def run_request(
+    service: Service, body: TaskRequest, request_id: str | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """One `celerytp.generate` request, as the task returns it; `progress` gets `{"model", "text",
+    "tokens"}` so far at most every PROGRESS_S while it generates."""
     model_id = service.resolve(body.model)
-    result = service.generate(model_id, {**body.options(), **({"request_id": request_id} if request_id else {})})
+    options = {**body.options(), **({"request_id": request_id} if request_id else {})}
+    text, shown = "", time.monotonic()
+    try:
+        with service.stream(model_id, options) as stream:
+            for delta in stream:
+                text += delta
+                if progress is not None and time.monotonic() - shown >= PROGRESS_S:
+                    shown = time.monotonic()
+                    progress({"model": model_id, "text": text, "tokens": stream.tokens})
+    except CeleryTPError as exc:
+        service.count_error(model_id, exc)
+        raise
+    result = stream.result
+    assert result is not None  # the stream ended with its result (errors raise)
+    service.count(model_id, result)
     return {
         "model": model_id, "text": result.text, "token_ids": result.token_ids,
         "finish_reason": result.finish_reason if result.finish_reason in ("length", "cancelled") else "stop",
@@ -61,18 +112,30 @@ def register_generate(app: Celery, service: Callable[[], Service]) -> None:
 
     # Acknowledged when done: a front door that dies mid-request has its task redelivered, and the
     # redelivered task follows the request its task id names instead of running it again.
-    @app.task(name=GENERATE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True)
-    def generate(task: Task, **kwargs: Any) -> dict[str, Any]:
-        svc, request_id, done, why = service(), _request_id(task.request.id), threading.Event(), []
-        watch = threading.Thread(
-            target=cancel_when_abandoned, args=(svc, request_id, task.request.id, task.request.expires, done, why),
-            daemon=True,
-        )
-        watch.start()
+    # typing=False: a producer that has this task registered sends a bad call anyway, and it is
+    # refused here, as for a producer that knows only the name.
+    @app.task(name=GENERATE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, typing=False)
+    def generate(task: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        done, why = threading.Event(), []
         try:
-            reply = run_request(svc, kwargs, request_id)
+            body = check_call(args, kwargs)
+            svc, request_id = service(), _request_id(task.request.id)
+            watch = threading.Thread(
+                target=cancel_when_abandoned, args=(svc, request_id, task.request.id, task.request.expires, done, why),
+                daemon=True,
+            )
+            watch.start()
+
+            def progress(meta: dict[str, Any]) -> None:
+                if task.request.id and not why:  # not once revoked: REVOKED comes next
+                    try:
+                        task.update_state(state=PROGRESS, meta=meta)
+                    except redis.RedisError as exc:  # the request's own wait reports Redis failing
+                        log.warning("could not record the progress of task %s: %s", task.request.id, exc)
+
+            reply = run_request(svc, body, request_id, progress)
         except CeleryTPError as exc:
-            raise RuntimeError(f"{exc.kind}: {mask_secrets(exc.message)}") from None
+            raise RuntimeError(f"{error_code(exc.kind)}: {mask_secrets(exc.message)}") from None
         finally:
             done.set()
         if why and reply["finish_reason"] == "cancelled":

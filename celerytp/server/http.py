@@ -10,20 +10,34 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import re
+import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from celerytp.client.generation import GenerationResult
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.server.errors import HTTPProblem, celerytp_response, from_celerytp, problem_response
+from celerytp.server import tools
+from celerytp.server.errors import (
+    HTTPProblem,
+    celerytp_response,
+    from_celerytp,
+    http_error_response,
+    internal_response,
+    problem_response,
+    validation_response,
+)
 from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs
 from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse
 from celerytp.server.service import Service
@@ -33,21 +47,50 @@ ABANDONED_END_S = 10.0  # how long an abandoned stream's cancelled end is awaite
 _END = object()
 
 
-def create_app(service: Service, api_key: str | None = None) -> FastAPI:
-    """The API over `service`; with `api_key`, every endpoint but /health and /metrics wants
-    `Authorization: Bearer <api_key>`."""
+def create_app(service: Service, api_keys: str | Sequence[str] | None = None, admin_key: str | None = None) -> FastAPI:
+    """The API over `service`. With `api_keys` (one key or several), every endpoint but /health and
+    /metrics wants `Authorization: Bearer <one of them>`; the /admin endpoints want `admin_key`
+    (never an inference key) and do not exist without one. /health details need `admin_key` too."""
     app = FastAPI(title="celerytp", docs_url=None, redoc_url=None)
     metrics = service.metrics
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
+    inference = [f"Bearer {key}".encode() for key in keys if key]
+    admin = [f"Bearer {admin_key}".encode()] if admin_key else []
+    enable_access_log()
 
     def authorised(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        if inference and not bearer_in(request, inference):
             raise HTTPProblem(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
 
+    def administrator(request: Request) -> None:
+        if not admin:  # no admin key configured: the admin endpoints are off
+            raise StarletteHTTPException(404)
+        if not bearer_in(request, admin):
+            raise HTTPProblem(401, "missing or wrong admin key (Authorization: Bearer <admin key>; the inference "
+                              "keys do not open /admin)", "invalid_api_key")
+
     auth = [Depends(authorised)]
+    admin_auth = [Depends(administrator)]
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and wrong methods: after the key check, so an unauthenticated caller learns
+        nothing about which endpoints exist (401 first)."""
+        path = request.url.path
+        if exc.status_code in (404, 405) and path not in PUBLIC_PATHS:
+            needed = admin if path.startswith("/admin") else inference
+            if needed and not bearer_in(request, needed):
+                return problem_response(HTTPProblem(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                                    "invalid_api_key"))
+        return http_error_response(exc.status_code, exc.detail, getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(list(exc.errors()))
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        return celerytp_response(CeleryTPError(ErrorKind.BAD_REQUEST, "field 'body': nested too deeply"))
 
     @app.exception_handler(CeleryTPError)
     async def _celerytp_error(request: Request, exc: CeleryTPError) -> JSONResponse:
@@ -61,9 +104,13 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """Up or down for anyone; the ranks' hosts, pids and devices only with the admin key."""
         report = await run_in_threadpool(service.health)
-        return JSONResponse(report, status_code=200 if report["ok"] else 503)
+        status = 200 if report["ok"] else 503
+        if admin and bearer_in(request, admin):
+            return JSONResponse(report, status_code=status)
+        return JSONResponse({"ok": report["ok"], "status": "up" if report["ok"] else "down"}, status_code=status)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -72,14 +119,14 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
         models = await run_in_threadpool(service.loaded)
-        return {"object": "list", "data": [model_card(m, r) for m, r in sorted(models.items())]}
+        return {"object": "list", "data": [model_card(m, r, bool(inference)) for m, r in sorted(models.items())]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def get_model(model_id: str) -> dict:
         models = await run_in_threadpool(service.models)
         if model_id not in models:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded; loaded: {sorted(models)}")
-        return model_card(model_id, models[model_id])
+        return model_card(model_id, models[model_id], bool(inference))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -91,22 +138,16 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         body = parse(ChatRequest, await json_body(request))
         return await answer(request, body, chat=True)
 
-    @app.post("/admin/models", dependencies=auth)
+    @app.post("/admin/models", dependencies=admin_auth)
     async def load_model(request: Request) -> dict:
-        body = await json_body(request)
-        if not isinstance(body, dict):
-            raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'body': a JSON object is required")
-        model_id, path = body.get("model"), body.get("path")
-        if not isinstance(model_id, str) or not model_id:
-            raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'model': a model id is required")
-        options = {k: body[k] for k in ("quant", "max_batch", "max_context", "max_queue", "dtype") if body.get(k) is not None}
+        model_id, path, options = load_fields(await json_body(request))
         started = time.perf_counter()
         await run_in_threadpool(service.leader.load, model_id, path, **options)
         if metrics is not None:
             metrics.chord_latency.labels("load").observe(time.perf_counter() - started)
-        return model_card(model_id, (await run_in_threadpool(service.models))[model_id])
+        return model_card(model_id, (await run_in_threadpool(service.models))[model_id], True)
 
-    @app.delete("/admin/models/{model_id:path}", dependencies=auth)
+    @app.delete("/admin/models/{model_id:path}", dependencies=admin_auth)
     async def unload_model(model_id: str) -> dict:
         await run_in_threadpool(service.resolve, model_id)
         started = time.perf_counter()
@@ -121,16 +162,140 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         options = {**body.options(), "request_id": request_id}
         decode = await run_in_threadpool(service.decoder, model_id) if options.get("logprobs") else None
         shape = Shape(chat, model_id, request_id, top_logprobs(body), decode)
-        if body.stream:
+        shape.tools = await run_in_threadpool(tools.apply, service, model_id, body, options)  # structured output
+        if body.stream and shape.tools is None:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = await run_in_threadpool(service.stream, model_id, options)  # a bad request fails here, as JSON
             events = sse(service, request, stream, shape, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         result = await until_disconnected(request, run_in_threadpool(service.generate, model_id, options),
                                           lambda: service.leader.cancel(request_id))
+        if body.stream:  # tools: the calls are parsed from the whole answer, then sent as chunks
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(iter_events(shape.stream_whole(result, include_usage)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return JSONResponse(shape.complete(result))
 
+    app.add_middleware(RequestContext)  # added last: outermost, so it sees (and shapes) every response
     return app
+
+
+PUBLIC_PATHS = ("/health", "/metrics")
+ACCESS = logging.getLogger("celerytp.access")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def bearer_in(request: Request, expected: list[bytes]) -> bool:
+    """Whether the request's Authorization header is one of `expected`, compared in constant time
+    against every one (no early exit that would tell which key came close)."""
+    given = request.headers.get("authorization", "").encode()
+    found = False
+    for candidate in expected:
+        found |= hmac.compare_digest(given, candidate)
+    return found
+
+
+def enable_access_log() -> None:
+    """One line per request on stderr (uvicorn's own access log is off: it runs at warning)."""
+    if not ACCESS.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s access: %(message)s"))
+        ACCESS.addHandler(handler)
+        ACCESS.setLevel(logging.INFO)
+        ACCESS.propagate = False
+
+
+def request_id_of(scope: dict) -> str:
+    """The caller's X-Request-Id when it is short and of safe characters, else a new one."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if _REQUEST_ID.fullmatch(text):
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+class RequestContext:
+    """Per request: an id (the caller's `X-Request-Id`, or a new one) echoed in the response's
+    `X-Request-Id`, one access-log line (method, path, status, ms, id; never a header or a key), and
+    a 500 in OpenAI's shape for anything unexpected. Plain ASGI, like RequestCounter, so the
+    client's disconnect stays visible to the endpoints."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = request_id_of(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started, status = time.perf_counter(), [0]
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:  # noqa: BLE001 - answered here, in OpenAI's shape, and logged
+            logging.getLogger(__name__).exception("unexpected error in %s %s (request %s)", scope.get("method"),
+                                                  printable(scope.get("path", "")), request_id)
+            if not status[0]:  # nothing sent yet (after that, the connection just ends)
+                await internal_response()(scope, receive, send_with_id)
+        finally:
+            ACCESS.info("%s %s %s %.1fms request_id=%s", scope.get("method"), printable(scope.get("path", "")),
+                        status[0] or 500, (time.perf_counter() - started) * 1000, request_id)
+
+
+def printable(path: str) -> str:
+    """A path as one log line shows it: control characters escaped, at most 200 characters."""
+    return json.dumps(path[:200])[1:-1]
+
+
+ADMIN_INTS = {"max_batch": 1 << 16, "max_context": 1 << 24, "max_queue": 1 << 20}
+ADMIN_STRINGS = ("quant", "dtype")
+
+
+def load_fields(body: Any) -> tuple[str, str | None, dict[str, Any]]:
+    """The model id, path and load options of an admin load, every field type-checked (400 naming it)."""
+
+    def bad(field: str, why: str) -> CeleryTPError:
+        return CeleryTPError(ErrorKind.BAD_REQUEST, f"field '{field}': {why}")
+
+    if not isinstance(body, dict):
+        raise bad("body", "a JSON object is required")
+    unknown = sorted(set(body) - {"model", "path", *ADMIN_INTS, *ADMIN_STRINGS})
+    if unknown:
+        raise bad(unknown[0], f"unknown field; accepted: model, path, {', '.join([*ADMIN_INTS, *ADMIN_STRINGS])}")
+    model_id, path = body.get("model"), body.get("path")
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise bad("model", "a non-empty string is required")
+    if len(model_id) > 256 or not model_id.isprintable():
+        raise bad("model", "at most 256 printable characters")
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise bad("path", f"a non-empty string is required, got {type(path).__name__}")
+        if "\x00" in path or len(path) > 4096:
+            raise bad("path", "no NUL bytes, at most 4096 characters")
+    options: dict[str, Any] = {}
+    for name, limit in ADMIN_INTS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise bad(name, f"an integer in 1..{limit} is required, got {json.dumps(value)[:40]}")
+        options[name] = value
+    for name in ADMIN_STRINGS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value or len(value) > 32:
+            raise bad(name, f"a non-empty string of at most 32 characters is required, got {json.dumps(value)[:40]}")
+        options[name] = value
+    return model_id, path, options
 
 
 class RequestCounter:
@@ -164,6 +329,8 @@ async def json_body(request: Request) -> Any:
         return await request.json()
     except (ValueError, UnicodeDecodeError) as exc:
         raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'body': not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'body': JSON nested too deeply") from None
 
 
 async def until_disconnected(request: Request, work: Awaitable[Any], on_disconnect: Callable[[], None]) -> Any:
@@ -224,13 +391,14 @@ async def sse(service: Service, request: Request, stream: Any, shape: Shape, inc
         finished = True
         if result is None:
             return
-        service.count(shape.model_id, result)
+        await run_in_threadpool(service.count, shape.model_id, result)  # a Redis write (metrics)
         yield event(shape.chunk("", finish_reason(result)))
         if include_usage:
             yield event({**shape.chunk("", None), "choices": [], "usage": usage(result)})
         yield "data: [DONE]\n\n"
     except CeleryTPError as exc:
         finished = True
+        await run_in_threadpool(service.count_error, shape.model_id, exc)
         yield event(from_celerytp(exc)[1])
         yield "data: [DONE]\n\n"
     finally:
@@ -245,6 +413,12 @@ def abandon(service: Service, stream: Any, pumping: threading.Thread, model_id: 
     pumping.join(ABANDONED_END_S)
     if stream.result is not None:
         service.count(model_id, stream.result)
+
+
+async def iter_events(chunks: list[dict]) -> AsyncIterator[str]:
+    for chunk in chunks:
+        yield event(chunk)
+    yield "data: [DONE]\n\n"
 
 
 def event(payload: dict) -> str:
@@ -267,8 +441,12 @@ def top_logprobs(body: SamplingFields) -> int:
     return getattr(body, "logprobs", None) or 0
 
 
-def model_card(model_id: str, record: dict) -> dict:
+def model_card(model_id: str, record: dict, authenticated: bool = False) -> dict:
+    """A /v1/models entry, with vLLM's `max_model_len` and `root`: the model's path for a caller who
+    presented a key (tools find the tokenizer there), the model id on a server without keys."""
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "celerytp",
+            "root": record.get("path", model_id) if authenticated else model_id, "parent": None,
+            "max_model_len": record.get("max_context"),
             "max_context": record.get("max_context"), "max_batch": record.get("max_batch"),
             "replicas": sorted(record.get("replicas", {}))}  # the groups serving it behind its one queue
 
@@ -281,6 +459,7 @@ class Shape:
         self.top_n, self.decode = top_n, decode
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
+        self.tools: tools.ToolMode | None = None  # a chat with tools: its answer may be tool calls
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
@@ -295,8 +474,24 @@ class Shape:
             shape = chat_logprobs if self.chat else completion_logprobs
             logprobs = shape(result, self.decode, self.top_n)
         choice.update(logprobs=logprobs, finish_reason=finish_reason(result))
+        calls = self.tools.calls(result.text) if self.chat and self.tools is not None else None
+        if calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": usage(result)}
+
+    def stream_whole(self, result: GenerationResult, include_usage: bool) -> list[dict]:
+        """A finished chat answer as stream chunks: the role, the content or the tool calls, the end."""
+        choice = self.complete(result)["choices"][0]
+        message = choice["message"]
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]} \
+            if message.get("tool_calls") else {"content": message["content"]}
+        chunks = [self.chunk({"role": "assistant", "content": ""}, None), self.chunk(delta, None),
+                  self.chunk("", choice["finish_reason"])]
+        if include_usage:
+            chunks.append({**self.chunk("", None), "choices": [], "usage": usage(result)})
+        return chunks
 
     def chunk(self, delta: str | dict, reason: str | None) -> dict:
         if self.chat:

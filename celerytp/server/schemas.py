@@ -15,7 +15,8 @@ Request = TypeVar("Request", bound="SamplingFields")
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = Field(False, strict=True)
 
 
 class TextPart(BaseModel):
@@ -24,31 +25,86 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (server/tools.py `history`)
+    tool_call_id: str | None = None
 
     def as_dict(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
-class SamplingFields(BaseModel):
-    """What every generation request may say (unknown fields are ignored, as OpenAI's SDKs add some)."""
+# OpenAI (and vLLM) request fields this server does not implement, each with the value that means
+# "not used": sent with that value (or null) they are accepted, as SDKs and frameworks send
+# defaults; any other value is a 400 naming the field, never silently ignored.
+REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}), "min_p": (None, 0), "functions": (None, []), "function_call": (None, "none"),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "store": (None, False),
+    "metadata": (None, {}), "service_tier": (None, "auto", "default"), "reasoning_effort": (None,),
+    "web_search_options": (None,), "min_tokens": (None, 0), "use_beam_search": (None, False),
+}
 
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = 1
-    stream: bool = False
+
+STREAMED_LOGPROBS = "field 'logprobs': not returned in a stream yet; ask without \"stream\": true for them"
+
+
+def _same(sent: Any, unused: Any) -> bool:
+    if sent is None or unused is None:
+        return sent is unused
+    if isinstance(sent, bool) != isinstance(unused, bool):
+        return False  # true is not 1
+    return sent == unused
+
+
+def _strict(default: Any = None, **rules: Any) -> Any:
+    """A field taken as sent: no "yes" for true, no "5" for 5, no NaN or infinity for a number."""
+    return Field(default, strict=True, **rules)
+
+
+class SamplingFields(BaseModel):
+    """What every generation request may say; a field it does not know is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = _strict()
+    max_tokens: int | None = _strict(ge=1)
+    temperature: float | None = _strict(ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = _strict(gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = _strict(ge=-1)  # vLLM's extension: -1 or 0 keeps every token
+    repetition_penalty: float | None = _strict(gt=0, le=100, allow_inf_nan=False)  # vLLM's extension
+    n: int = _strict(1)
+    stream: bool = _strict(False)
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks)
+    stop: str | list[str] | None = None  # (str never takes a number, strict or not)
+    seed: int | None = _strict()
+    user: str | None = _strict()
+    ignore_eos: bool = _strict(False)  # vLLM's extension: run to max_tokens (benchmarks)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name, unused in REFUSED_FIELDS.items():
+                if name in body and not any(_same(body[name], value) for value in unused):
+                    raise ValueError(f"field '{name}': not supported by this server (docs/serving.md lists "
+                                     "the supported fields); leave it out")
+            body = {k: v for k, v in body.items() if k not in REFUSED_FIELDS}  # sent as "unused": nothing to do
+        return body
 
     @field_validator("n")
     @classmethod
@@ -69,14 +125,15 @@ class SamplingFields(BaseModel):
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "stop": self.stop, "ignore_eos": self.ignore_eos,
+            "top_k": None if self.top_k is None else max(self.top_k, 0), "repetition_penalty": self.repetition_penalty,
         }
 
 
 class CompletionRequest(SamplingFields):
     model: str
     prompt: str | list[str]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    logprobs: int | None = _strict(ge=0, le=20)
+    echo: bool = _strict(False)
 
     @field_validator("prompt")
     @classmethod
@@ -96,16 +153,75 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo is not supported")
         return echo
 
+    @model_validator(mode="after")
+    def _no_streamed_logprobs(self) -> CompletionRequest:
+        if self.logprobs and self.stream:
+            raise ValueError(STREAMED_LOGPROBS)
+        return self
+
     def options(self) -> dict[str, Any]:
         return {**super().options(), "prompt": self.prompt, "logprobs": self.logprobs or None}
+
+
+# ---- structured output and tools (server/tools.py) ---------------------------------------
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = Field(None, strict=True)  # the output always matches the schema (a grammar), strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, strict=True)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingFields):
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = _strict(ge=1)
+    logprobs: bool = _strict(False)
+    top_logprobs: int | None = _strict(ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:  # as OpenAI: not silently dropped
+            raise ValueError("field 'top_logprobs': needs \"logprobs\": true")
+        if self.logprobs and self.stream:
+            raise ValueError(STREAMED_LOGPROBS)
+        return self
 
     def options(self) -> dict[str, Any]:
         out = {**super().options(), "messages": [m.as_dict() for m in self.messages]}
@@ -121,7 +237,7 @@ class TaskRequest(SamplingFields):
 
     prompt: str | None = None
     messages: list[Message] | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = _strict(ge=1)
 
     @model_validator(mode="after")
     def _one_input(self) -> TaskRequest:
@@ -150,4 +266,12 @@ def parse(model: type[Request], body: Any) -> Request:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"]) or "body"
         message = error["msg"].removeprefix("Value error, ")
+        if error["loc"][:1] == ("stop",):
+            field, message = "stop", "a string or a list of at most 4 strings is required"
+        if error["type"] == "extra_forbidden":
+            message = "not a field this server knows or supports (docs/serving.md lists them); leave it out"
+        elif error["type"] == "finite_number":
+            message = "must be a finite number"
+        if not error["loc"] and message.startswith("field '"):  # a check of the whole body that names its field
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, message) from None
         raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field '{field}': {message}") from None

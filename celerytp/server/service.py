@@ -13,7 +13,13 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.liveness import read_owners
 from celerytp.core.redis_client import broker_errors
 from celerytp.core.tokenizer import load_tokenizer
-from celerytp.server.metrics import Metrics, RankState
+from celerytp.server.metrics import Metrics, record_error, record_served, watch_cluster
+
+
+def error_code(kind: ErrorKind) -> str:
+    """The error kind clients see, over HTTP (`code`) and on the Celery task (its message's
+    prefix) alike: `model_not_found` (OpenAI's name) for an unknown model, else the kind itself."""
+    return "model_not_found" if kind is ErrorKind.MODEL_NOT_LOADED else str(kind)
 
 
 def held_by_ranks(leader: Leader, timeout: float = 1.0) -> dict[int, set[str]]:
@@ -41,7 +47,7 @@ class Service:
         self.leader = leader
         self.metrics = metrics
         if metrics is not None:
-            metrics.watch(RankState(self.stats, lambda: [r is not None for r in leader.health()]))
+            watch_cluster(metrics, lambda: leader.redis, leader.group, leader.world_size)
 
     def models(self) -> dict[str, dict]:
         return self.leader.models()
@@ -97,6 +103,7 @@ class Service:
         try:
             result = self.leader.generate(model_id, **options)
         except CeleryTPError as exc:
+            self.count_error(model_id, exc)
             if exc.kind is ErrorKind.TIMEOUT and options.get("request_id"):
                 self.leader.cancel(options["request_id"])  # nobody waits for it any more
             raise
@@ -108,11 +115,11 @@ class Service:
         return self.leader.stream(model_id, **options)
 
     def count(self, model_id: str, result: GenerationResult) -> None:
-        if self.metrics is not None:
-            self.metrics.served(
-                model_id, result.prompt_tokens, result.completion_tokens, result.ttft_s, result.decode_s,
-                result.finish_reason,
-            )
+        """Add a finished request to the metrics' counters in Redis (HTTP and Celery front doors alike)."""
+        record_served(self.leader.redis, model_id, result)
+
+    def count_error(self, model_id: str, exc: CeleryTPError) -> None:
+        record_error(self.leader.redis, model_id, exc.kind)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {model: self.leader.serving_stats(model) for model in self.models()}

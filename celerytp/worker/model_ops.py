@@ -40,6 +40,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def confine(path: str, roots: tuple[str, ...]) -> Path:
     """Resolve `path`; it, and every file in it that a load may open (symlinks resolved), must lie
     under a configured model root or be the default model."""
+    if "\x00" in path:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'path': a NUL byte is not allowed in a path")
     real = Path(path).expanduser().resolve()
     allowed = [Path(r).expanduser().resolve() for r in roots]
     try:
@@ -50,8 +52,10 @@ def confine(path: str, roots: tuple[str, ...]) -> Path:
     def inside(p: Path) -> bool:
         return any(p == root or root in p.parents for root in allowed)
 
-    if not inside(real):
-        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'path': {path} is outside the model roots {[str(r) for r in allowed]}")
+    if not inside(real):  # the roots go to this rank's log only: a refusal never tells a caller where they are
+        log.warning("refused to load %s: outside the model roots %s", path, [str(r) for r in allowed])
+        raise CeleryTPError(ErrorKind.BAD_REQUEST,
+                            f"field 'path': {path} is outside the model roots this server allows")
     if real.is_dir():
         for entry in real.iterdir():
             if not inside(entry.resolve()):

@@ -36,7 +36,8 @@ def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
             failure = CeleryTPError(ErrorKind.INTERNAL, f"rank 0 could not start the serving loop: {type(exc).__name__}: {exc}")
     state.collective(lambda: state.control.agree(failure))
     decode = entry.tokenizer.decode if entry.tokenizer is not None else None  # read and checked at load
-    loop = ServingLoop(entry.model, state.control, entry.row_tokens, entry.prefill_budget, entry.idle_s, source, decode)
+    loop = ServingLoop(entry.model, state.control, entry.row_tokens, entry.prefill_budget, entry.idle_s, source, decode,
+                       entry.tokenizer)
     started = time.perf_counter()
     try:
         stats = state.run_model(loop.run)

@@ -29,6 +29,7 @@ from celerytp.core.stopping import StopChecker
 from celerytp.core.validation import bad_request, check_tokens, sampling_params
 from celerytp.distributed.control import ControlGroup
 from celerytp.models import CausalLM
+from celerytp.worker.grammar import RowGrammar
 from celerytp.worker.sampling import (
     SLICE_DRAW,
     WHOLE,
@@ -70,7 +71,10 @@ class Sequence:
     admitted_at: float = 0.0
     queued_s: float = 0.0
     first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # s between sampled tokens (the inter-token latency metric)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    grammar: RowGrammar | None = None  # structured output: the mask of its next token (worker/grammar.py)
 
     @property
     def prefilling(self) -> bool:
@@ -175,6 +179,7 @@ class ServingLoop:
         idle_s: float,
         source: RequestSource | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        tokenizer: object | None = None,
     ):
         self.model = model
         self.control = control
@@ -184,6 +189,8 @@ class ServingLoop:
         self.idle_s = idle_s
         self.source = source
         self.decode = decode
+        self.tokenizer = tokenizer  # rank 0: compiles requests' grammars (structured output)
+        self._grammars: dict[str, RowGrammar] = {}  # rank 0: request id -> its matcher, until it has a row
         self.is_sampler = control.rank == 0
         self.running: dict[int, Sequence] = {}  # cache row -> its request
         self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0}
@@ -293,6 +300,12 @@ class ServingLoop:
         sampling_params(spec.sampling)
         if spec.stop and self.decode is None:
             raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
+        if spec.grammar is not None:  # compiled here, where a bad one is answered alone, and fed what it resumes
+            if self.tokenizer is None:
+                raise bad_request("grammar", "this model was loaded without a tokenizer: no structured output")
+            grammar = RowGrammar.create(self.tokenizer, self.model.config.vocab_size, spec.grammar)
+            grammar.advance(list(spec.resumed))
+            self._grammars[spec.request_id] = grammar
 
     def _live_stats(self) -> dict[str, int]:
         return {**self.stats, "running_rows": len(self.running), **per_step_us(self.stats["steps"])}
@@ -353,6 +366,7 @@ class ServingLoop:
         seq.admitted_at = time.perf_counter()
         seq.queued_s = max(0.0, time.time() - spec.submitted_at) if spec.submitted_at else 0.0
         seq.logprobs = [] if seq.sampler.params.logprobs else None
+        seq.grammar = self._grammars.pop(spec.request_id, None)
 
     # ---- every rank: the forwards --------------------------------------------------------
 
@@ -413,7 +427,9 @@ class ServingLoop:
         seqs = [seq for seq, _ in sampled]
         local = torch.stack([row_logits for _, row_logits in sampled])  # (S, V_local)
         forced = [seq.forced.pop(0) if seq.forced else None for seq in seqs]
-        modes = [slice_mode(seq.params, f is not None) for seq, f in zip(seqs, forced)]
+        # a constrained row needs its whole logits on rank 0 for its grammar's mask
+        modes = [WHOLE if seq.spec.grammar is not None else slice_mode(seq.params, f is not None)
+                 for seq, f in zip(seqs, forced)]
         drawing = [i for i, (mode, f) in enumerate(zip(modes, forced)) if mode == SLICE_DRAW and f is None]
         extra = self._slice_draws(seqs, local, drawing) if drawing else None
         for i, f in enumerate(forced):
@@ -455,9 +471,13 @@ class ServingLoop:
         for i, token in zip(drawn, tokens):
             seq = scores.seqs[i]
             seq.first_token_at = seq.first_token_at or now
+            if seq.last_token_at:
+                seq.gaps.append(round(now - seq.last_token_at, 4))
+            seq.last_token_at = now
             seq.sampler.saw(token)
             self._record_logprobs(scores, i, token)
-            reason = seq.checker.after(token)
+            ended = seq.grammar is not None and seq.grammar.advance([token])
+            reason = seq.checker.after(token) or ("stop" if ended else None)
             if seq.spec.stream and token not in seq.checker.eos_ids:
                 self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1))
             if reason is None:
@@ -474,7 +494,11 @@ class ServingLoop:
         plain = [i for i in rows if i not in scores.drawing]
         tokens = {}
         if plain and scores.logits is not None:
-            tokens.update(zip(plain, sample_rows(scores.logits[plain], samplers(plain))))
+            logits = scores.logits[plain]  # a copy: logprobs stay the model's own
+            for j, i in enumerate(plain):
+                if scores.seqs[i].grammar is not None:
+                    scores.seqs[i].grammar.mask(logits[j])
+            tokens.update(zip(plain, sample_rows(logits, samplers(plain))))
         elif plain:
             tokens.update(zip(plain, sample_candidates(scores.values[plain], scores.ids[plain], samplers(plain))))
         if scores.drawing:  # drawn over the whole vocabulary: keep one rank's draw in its slice
@@ -496,7 +520,7 @@ class ServingLoop:
             request_id=seq.spec.request_id, token_ids=seq.checker.token_ids, finish_reason=reason,
             matched_stop=seq.checker.matched, prompt_tokens=len(seq.spec.prompt),
             ttft_s=seq.queued_s + (first - seq.admitted_at), decode_s=now - first, queued_s=seq.queued_s,
-            reused_tokens=seq.reused, logprobs=seq.logprobs,
+            reused_tokens=seq.reused, logprobs=seq.logprobs, token_gaps_s=seq.gaps, resumed=bool(seq.spec.resumed),
         )
 
 
