@@ -122,17 +122,16 @@ COMMON = dict(vocab_size=160, num_hidden_layers=2, max_position_embeddings=128, 
 
 
 def make_hf_model(model_type: str, kwargs: dict[str, Any], seed: int) -> Any:
-    """A transformers model with random weights spread wide enough that greedy has no near-ties.
+    """A transformers model of any architecture (COMMON + kwargs), randomized by `randomize`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    Norm weights are randomized too: all-ones norms would hide a norm that was never loaded.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
-        model_type
-    ]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **kwargs)).eval()
+    return randomize(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **kwargs)).eval())
+
+
+def randomize(model: Any) -> Any:
+    """Weights spread wide enough that greedy has no near-ties, norms randomized too (all-ones
+    norms would hide a norm that was never loaded)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 import torch
 from model_fixtures import (
-    COMMON,
     LOGITS_ATOL,
     Greedy,
     Job,
     assert_matches,
     hf_greedy,
+    make_hf_model,
     make_prompt,
     our_greedy,
     run_job,
@@ -81,27 +81,6 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # fmt: skip
 }
 GGUF_ARCH = {"qwen2": "qwen2", "mistral": "llama", "phi3": "phi3"}  # what llama.cpp's converter writes
-
-
-def make_model(model_type: str, kwargs: dict[str, Any], seed: int) -> Any:
-    """A transformers model with wide random weights and randomized norms (as model_fixtures does)."""
-    import transformers as tf
-
-    classes = {
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
-    }
-    config_cls, model_cls = classes[model_type]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    return model
 
 
 # ---- GGUF, as convert_hf_to_gguf.py writes these architectures ---------------------------------
@@ -200,13 +179,13 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     root = tmp_path_factory.mktemp("dense")
     out: dict[str, Case] = {}
     for seed, (name, (model_type, kwargs)) in enumerate(CONFIGS.items()):
-        model = make_model(model_type, kwargs, seed)
+        model = make_hf_model(model_type, kwargs, seed)
         prompt = make_prompt(model.config.vocab_size, seed=seed)
         model.save_pretrained(root / name, safe_serialization=True)
         reference = hf_greedy(model, prompt, STEPS)
         gguf_reference = reference
         if name in UNWINDOWED:
-            unwindowed = make_model(model_type, kwargs | UNWINDOWED[name], seed)
+            unwindowed = make_hf_model(model_type, kwargs | UNWINDOWED[name], seed)
             unwindowed.load_state_dict(model.state_dict())
             gguf_reference = hf_greedy(unwindowed, prompt, STEPS)
         path = write_gguf(model, root / f"{name}.gguf")

@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 import torch
 from model_fixtures import (
-    COMMON,
     Greedy,
     Job,
     assert_matches,
     gguf_name,
     hf_greedy,
     llama_cpp_permute,
+    make_hf_model,
     make_prompt,
     our_greedy,
     run_job,
@@ -95,25 +95,6 @@ WORLD_SIZE_CASES = {
     2: ["qwen3_moe", "qwen3_moe_fused", "mixtral", "qwen3moe_gguf", "mixtral_gguf"],
     3: ["qwen3_moe", "mixtral", "qwen3moe_gguf"],
 }
-
-
-def make_moe_model(model_type: str, kwargs: dict[str, Any], seed: int) -> Any:
-    """A transformers MoE model with weights spread wide enough for clear greedy picks."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config_cls, model_cls = {
-        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-        "mixtral": (MixtralConfig, MixtralForCausalLM),
-    }[model_type]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**COMMON, **kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    return model
 
 
 # ---- GGUF, as convert_hf_to_gguf.py writes it --------------------------------------------------
@@ -211,7 +192,7 @@ class Case:
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Any]:
-    return {name: make_moe_model(t, kwargs, seed) for seed, (name, (t, kwargs)) in enumerate(MODELS.items())}
+    return {name: make_hf_model(t, kwargs, seed) for seed, (name, (t, kwargs)) in enumerate(MODELS.items())}
 
 
 @pytest.fixture(scope="module")

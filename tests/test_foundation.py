@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import signal
 import base64
 import json
+import signal
 import subprocess
 import sys
 import textwrap

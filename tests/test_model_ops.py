@@ -152,10 +152,12 @@ def test_bad_loads_are_typed_and_load_nothing(cluster, tiny_llama, tmp_path):
     with pytest.raises(CeleryTPError) as info:
         leader.load("bad", path, max_context=10**6)
     assert info.value.kinds == {ErrorKind.LOAD_FAILED} and "max_position_embeddings" in str(info.value)
-    if matvec_us(torch.bfloat16) > 1.1 * matvec_us(torch.float32):  # as on the machines here: ~10x
+    if (speeds := matvec_us(torch.bfloat16))[0] > 1.1 * speeds[1]:  # as on the machines here: ~10x
         with pytest.raises(CeleryTPError) as info:
             leader.load("bad", path, dtype="bfloat16")
-        assert info.value.kinds == {ErrorKind.BAD_REQUEST} and "slower than float32 on this CPU" in str(info.value)
+        # A rank whose own measurement passed loads, then rolls back with the others (load_failed).
+        assert ErrorKind.BAD_REQUEST in info.value.kinds <= {ErrorKind.BAD_REQUEST, ErrorKind.LOAD_FAILED}, info.value
+        assert "slower than float32 on this CPU" in str(info.value)
     assert "bad" not in leader.models()
     with pytest.raises(CeleryTPError) as info:
         leader.step("bad", [1], 0)
@@ -271,7 +273,7 @@ def default_gguf_bytes():
 def test_half_precision_weights_load_only_where_they_are_not_slower(monkeypatch):
     cpu = torch.device("cpu")
     speed = {torch.float32: 100.0, torch.bfloat16: 1000.0, torch.float16: 105.0}
-    monkeypatch.setattr(half_precision, "matvec_us", lambda dtype: speed[dtype])
+    monkeypatch.setattr(half_precision, "matvec_us", lambda dtype: (speed[dtype], speed[torch.float32]))
     with pytest.raises(CeleryTPError, match=r"bfloat16 weights would decode slower .* 1000 µs in bfloat16, 100 µs"):
         check_half_precision(torch.bfloat16, cpu)
     check_half_precision(torch.float16, cpu)  # within 10%: as fast

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_fixtures import COMMON, Greedy, Job, assert_matches, hf_greedy, make_prompt, run_job, write_gguf
+from model_fixtures import COMMON, Greedy, Job, assert_matches, hf_greedy, make_prompt, randomize, run_job, write_gguf
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
@@ -160,14 +160,7 @@ def tiny_llama(d: dict[str, Any], seed: int) -> Any:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_config(d)).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    return model
+    return randomize(LlamaForCausalLM(hf_config(d)).eval())
 
 
 @dataclasses.dataclass
