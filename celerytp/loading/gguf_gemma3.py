@@ -36,7 +36,7 @@ from typing import Any
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import ReadRecord, TensorSource
 from celerytp.loading.gguf_hybrid import ShiftedNormSource
-from celerytp.loading.gguf_names import hf_name
+from celerytp.loading.gguf_names import attention_counts, hf_name
 from celerytp.loading.gguf_rope import gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
@@ -86,13 +86,7 @@ def gemma3_config(metadata: Callable[[str, Any], Any], tensors: dict[str, Any], 
     def key(suffix: str, default: Any = None) -> Any:
         return metadata(f"gemma3.{suffix}", default)
 
-    layers, heads, hidden = key("block_count"), key("attention.head_count"), key("embedding_length")
-    kv_heads = key("attention.head_count_kv", heads)
-    if not (layers and heads and hidden):
-        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{where}: gemma3 metadata lacks block, head or embedding counts")
-    if isinstance(heads, list) or isinstance(kv_heads, list):
-        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"{where}: per-layer head counts are not supported")
-    head_dim = key("attention.key_length") or hidden // heads
+    layers, heads, kv_heads, hidden, head_dim = attention_counts(key, "gemma3", where)
     window = key("attention.sliding_window") or None
     layer_types = _layer_types(key("attention.sliding_window_pattern"), layers, window, where)
     full = gguf_rope_parameters(key, tensors, head_dim)

@@ -1,4 +1,5 @@
-"""llama.cpp's tensor names -> Hugging Face names, for every dense and MoE GGUF architecture.
+"""What every dense and MoE GGUF architecture shares: llama.cpp's tensor names -> Hugging Face
+names, and the head and layer counts of its metadata.
 
 The global tensors are named alike everywhere; each architecture's block tensors map through a
 table (BLOCK_NAMES for llama and its kin; gemma3 and phi3 pass their own, gguf_gemma3.py and
@@ -8,6 +9,10 @@ gguf_phi3.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from celerytp.core.errors import CeleryTPError, ErrorKind
 
 # GGUF tensor name stem -> Hugging Face module name.
 GLOBAL_NAMES = {
@@ -38,3 +43,23 @@ def hf_name(gguf_name: str, blocks: dict[str, str] = BLOCK_NAMES) -> str:
         return f"model.layers.{layer}.{blocks[stem]}.{kind}" if stem in blocks else gguf_name
     stem, _, kind = gguf_name.rpartition(".")
     return f"{GLOBAL_NAMES[stem]}.{kind}" if stem in GLOBAL_NAMES else gguf_name
+
+
+class Counts(NamedTuple):
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    head_dim: int
+
+
+def attention_counts(key: Callable[..., Any], arch: str, where: str) -> Counts:
+    """Layers, heads, KV heads, hidden size and head size from `{arch}.*` metadata; LOAD_FAILED
+    when a count is missing, UNSUPPORTED_ARCH for per-layer head counts."""
+    layers, heads, hidden = key("block_count"), key("attention.head_count"), key("embedding_length")
+    kv_heads = key("attention.head_count_kv", heads)
+    if not (layers and heads and hidden):
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{where}: {arch} metadata lacks block, head or embedding counts")
+    if isinstance(heads, list) or isinstance(kv_heads, list):
+        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"{where}: per-layer head counts are not supported")
+    return Counts(layers, heads, kv_heads, hidden, key("attention.key_length") or hidden // heads)

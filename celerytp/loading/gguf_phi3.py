@@ -26,7 +26,7 @@ from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.loading.checkpoint import ReadRecord, TensorSource
-from celerytp.loading.gguf_names import hf_name
+from celerytp.loading.gguf_names import attention_counts, hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
@@ -66,13 +66,7 @@ def phi3_config(metadata: Callable[[str, Any], Any], tensors: dict[str, Any], wh
     def key(suffix: str, default: Any = None) -> Any:
         return metadata(f"phi3.{suffix}", default)
 
-    layers, heads, hidden = key("block_count"), key("attention.head_count"), key("embedding_length")
-    kv_heads = key("attention.head_count_kv", heads)
-    if not (layers and heads and hidden):
-        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{where}: phi3 metadata lacks block, head or embedding counts")
-    if isinstance(heads, list) or isinstance(kv_heads, list):
-        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"{where}: per-layer head counts are not supported")
-    head_dim = key("attention.key_length") or hidden // heads
+    layers, heads, kv_heads, hidden, head_dim = attention_counts(key, "phi3", where)
     rotary = key("rope.dimension_count") or head_dim
     if not 0 < rotary <= head_dim:
         raise CeleryTPError(
