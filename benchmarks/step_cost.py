@@ -1,6 +1,6 @@
 """The serving loop's fixed cost per step: everything a step spends around a model that costs nothing.
 
-Run: python benchmarks/step_cost.py [--tp 1 2] [--batch 1 16] [--tokens 200] [--model tiny] [--tree PATH ...]
+Run: python benchmarks/step_cost.py [--tp 1 2] [--batch 1 16] [--tokens 200] [--model tiny] [--device cpu|auto] [--tree PATH ...]
 
 A random 2-layer, 64-wide llama with SmolLM2's 49,152-token vocabulary (and its tokenizer) goes
 through a LocalCluster; `batch` greedy streaming requests (ignore_eos) run together and the time
@@ -50,10 +50,11 @@ def drive(args: argparse.Namespace) -> dict:
     from celerytp.cluster import LocalCluster
 
     work = Path(tempfile.mkdtemp(prefix="stepcost-"))
-    path = tiny_model(work / "tiny")
+    path = tiny_model(work / "tiny") if args.tiny is None else Path(args.tiny).resolve()
+    work = path.parent
     report = {}
     for tp in args.tp:
-        with LocalCluster(world_size=tp, group=f"stepcost{tp}", model_roots=[str(work)],
+        with LocalCluster(world_size=tp, group=f"stepcost{tp}", model_roots=[str(work)], device=args.device,
                           env={"CELERYTP_STEP_PROFILE": "1"}) as cluster:
             leader = cluster.leader
             if args.model == "tiny":
@@ -71,6 +72,7 @@ def drive(args: argparse.Namespace) -> dict:
                 profile = {k[len("profile_us_"):]: v for k, v in stats.items() if k.startswith("profile_us_")}
                 report[f"tp{tp}_b{batch}"] = {"step_ms": round(per_step * 1000, 3), "tokens_per_s": round(batch / per_step, 1),
                                               "profile_us": breakdown(profile)}
+                print(f"tp{tp}_b{batch}", report[f"tp{tp}_b{batch}"], file=sys.stderr, flush=True)  # progress
     return report
 
 
@@ -104,6 +106,8 @@ def main() -> None:
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings every request carries")
     parser.add_argument("--model", choices=["tiny", "smol-f32", "smol"], default="tiny",
                         help="the tiny model (fixed cost), or the shipped model as float32 or as it ships")
+    parser.add_argument("--device", default="cpu", help="cpu, or auto: rank r on cuda:r (NCCL)")
+    parser.add_argument("--tiny", default=None, help="a tiny model directory saved by tiny_model (else made here)")
     parser.add_argument("--tree", nargs="*", default=[], help="other checkouts to measure in the same run")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -113,9 +117,10 @@ def main() -> None:
     out = {}
     for tree in [ROOT, *map(Path, args.tree)]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--drive", "--tp", *map(str, args.tp),
-               "--batch", *map(str, args.batch), "--tokens", str(args.tokens), "--model", args.model] + (["--stop", *args.stop] if args.stop else [])
+               "--batch", *map(str, args.batch), "--tokens", str(args.tokens), "--model", args.model, "--device", args.device]
+        cmd += ["--tiny", args.tiny] if args.tiny else [] + (["--stop", *args.stop] if args.stop else [])
         started = time.perf_counter()
-        run = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+        run = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True)
         if run.returncode:
             raise SystemExit(f"{tree}: {run.stderr[-3000:]}")
         out[str(tree)] = json.loads(run.stdout.strip().splitlines()[-1])
