@@ -28,7 +28,7 @@ from model_fixtures import COMMON, Greedy, Job, assert_matches, hf_greedy, make_
 from celerytp.distributed import shm
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.quantized import KERNEL_ENV
-from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, vocab_shards
+from celerytp.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, first_max, vocab_shards
 
 VOCAB = 161
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -161,6 +161,7 @@ def _candidates(tp: TPContext) -> dict:
     results = {k: head.top_candidates(local.clone(), k)[:3] for k in (1, 7, 40)}
     extra = torch.full((5, 2), float(tp.rank))  # rides along: every rank's, in rank order
     results["extra"] = head.top_candidates(local.clone(), 3, extra)[3]
+    assert head.top_candidates(local.clone(), 3, lse=False)[2] is None
     return results
 
 
@@ -185,6 +186,18 @@ def test_top_candidates_from_slices_equal_the_top_of_the_whole_logits(world_size
             assert all(len(set(row)) == k for row in ids.tolist())
             torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
         assert torch.equal(data[1][1][:, 0], logits.argmax(-1))
+
+
+@pytest.mark.parametrize("width", [1, 54, 128, 161, 49152])
+def test_first_max_is_max_with_the_lowest_index(width: int) -> None:
+    """The blocked greedy pick equals torch's max over rows full of ties, and over -inf and NaN."""
+    x = torch.randint(0, 4, (6, width), generator=torch.Generator().manual_seed(width)).float()
+    x[1] = float("-inf")
+    x[2, width // 2] = float("nan")
+    values, ids = first_max(x)
+    expected = x.max(-1, keepdim=True)
+    assert torch.equal(ids, expected.indices)
+    torch.testing.assert_close(values, expected.values, equal_nan=True)
 
 
 def test_uneven_slices_cover_the_vocabulary_without_a_process_group() -> None:

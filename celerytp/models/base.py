@@ -169,10 +169,10 @@ class CausalLM(nn.Module):
         return torch.cat([part[..., :-width] for part in parts], -1), torch.stack([part[..., -width:] for part in parts], 1)
 
     def top_candidates(
-        self, local: torch.Tensor, k: int, extra: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self, local: torch.Tensor, k: int, extra: torch.Tensor | None = None, lse: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Each row's k most likely tokens from the ranks' slices, and every rank's `extra` (layers/vocab_parallel.py)."""
-        return self.lm_head.top_candidates(local, k, extra)
+        return self.lm_head.top_candidates(local, k, extra, lse)
 
     @property
     def vocab_start(self) -> int:
