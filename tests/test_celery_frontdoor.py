@@ -23,6 +23,8 @@ from celerytp.core.keys import queue_key
 from celerytp.core.safe_transport import dead_letter_key
 
 QUEUE = "celerytp.srv.requests"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,10 @@ def test_progress_moves_and_revoke_with_terminate_cancels(producer, served):
     (("x",), {"max_tokens": 5}, "args"),  # positional
     ((), {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ((), {"prompt": "x", "n": 2}, "n"),
+    ((), {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+     "response_format.json_schema.schema"),
+    ((), {"prompt": "x", "response_format": "json"}, "response_format"),
+    ((), {"prompt": "x", "tools": [WEATHER]}, "tools"),  # tools need messages
 ])
 def test_bad_calls_fail_with_a_typed_error_naming_the_field(producer, served, args, kwargs, field):
     result = send(producer, *args, **kwargs)
@@ -85,6 +91,26 @@ def test_bad_calls_fail_with_a_typed_error_naming_the_field(producer, served, ar
     assert result.state == "FAILURE"
     assert served.leader.redis.llen(queue_key(MODEL)) == 0  # nothing queued
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_structured_output_and_tool_calls_as_over_http(producer, served):
+    """`response_format` and a forced tool call through the task: greedy, the HTTP API's answer."""
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "properties": {"wet": {"type": "boolean"}}, "required": ["wet"], "additionalProperties": False}}}
+    asks = [({"response_format": fmt}, "Is water wet?"), ({"tools": [WEATHER], "tool_choice": "required"}, "Weather in Oslo?")]
+    for extra, question in asks:
+        request = {"messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0, **extra}
+        reply = send(producer, **request).get(timeout=120)
+        http = client.chat.completions.create(model=MODEL, **request).choices[0]
+        assert reply["finish_reason"] == http.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in http.message.tool_calls or []]
+        assert bool(calls) == ("tools" in extra)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.get("tool_calls", [])] == calls
+        if calls:
+            assert reply["finish_reason"] == "tool_calls" and json.loads(calls[0][1])["city"]
+        else:
+            assert reply["text"] == http.message.content and isinstance(json.loads(reply["text"])["wet"], bool)
 
 
 def test_an_unknown_model_is_the_same_kind_over_http_and_celery(producer, served):

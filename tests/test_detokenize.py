@@ -171,3 +171,20 @@ def test_stream_deltas_match_full_decode(tok):
                     break
             final, _ = cut_at_stop(tok.decode(checker.token_ids), stops)
             assert stream.sent == len(sent) and sent + final[stream.sent :] == final
+
+
+def test_stream_tokens_go_with_the_delta_that_completes_their_text(tok):
+    """StreamText.covered (streamed logprobs follow it): every token whose text is all sent, and
+    none whose text is still held back (an open UTF-8 sequence, a possible stop string)."""
+    rng = random.Random(3)
+    for ids in all_sequences(tok):
+        stops = random_stops(rng, tok.decode(ids)) if rng.random() < 0.8 else []
+        stream = StreamText(tok.decode, stops)
+        for i, token in enumerate(ids, 1):
+            stream.feed(token)
+            covered = stream.covered
+            done = tok.decode(ids[:covered])
+            assert covered <= i and not done.endswith("\ufffd") and len(done) <= stream.sent, (stops, ids[:i])
+            if covered < i:  # the next token's text is not all out yet (or it has none: a later delta takes it)
+                more = tok.decode(ids[: covered + 1])
+                assert more.endswith("\ufffd") or len(more) > stream.sent or more == done, (stops, ids[:i])

@@ -60,6 +60,13 @@ def test_seeded_sampling_is_reproducible(smol_tp1, smol_tp2):
     assert d.token_ids != a.token_ids
 
 
+def test_logit_bias_and_min_p_sample_alike_in_step_and_fused_mode(smol_tp2):
+    options = dict(prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3, min_p=0.05, logit_bias={"284": 3.0})
+    fused = smol_tp2.generate("smol", **options)
+    assert fused.token_ids == smol_tp2.generate("smol", mode="step", **options).token_ids
+    assert fused.token_ids != smol_tp2.generate("smol", **{**options, "logit_bias": None}).token_ids
+
+
 def test_stop_strings_truncate(smol_tp2):
     full = smol_tp2.generate("smol", prompt=PROMPT, max_tokens=24, temperature=0)
     word = full.text.split()[2]
@@ -77,6 +84,8 @@ def test_generate_bad_input(smol_tp2):
         (dict(prompt=PROMPT, max_tokens=0), "max_tokens"),
         (dict(prompt=""), "prompt"),
         (dict(prompt=PROMPT, stop=[1]), "stop"),
+        (dict(prompt=PROMPT, logit_bias={10**7: 1}), "logit_bias"),  # outside the vocabulary
+        (dict(prompt=PROMPT, mode="step", presence_penalty=0.5), "presence_penalty"),  # fused mode only
     ]:
         with pytest.raises(CeleryTPError) as info:
             smol_tp2.generate("smol", **options)

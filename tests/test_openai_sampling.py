@@ -6,12 +6,19 @@ server healthy afterwards (no silent ignoring)."""
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import httpx
 import openai
 import pytest
+from celery import Celery
 from server_fixtures import MODEL, start_served
 
 from celerytp.core.keys import queue_key
+from celerytp.core.model_files import default_model_path
+from celerytp.core.tokenizer import load_tokenizer
+from celerytp.server.http import SEEDS, choice_options
 
 PROMPT = "one two one two one two one two"
 
@@ -66,18 +73,23 @@ def test_unused_values_of_unsupported_fields_are_accepted(client):
 @pytest.mark.parametrize(("extra", "field", "says"), [
     ({"suffix": "!"}, "suffix", "not supported"),
     ({"best_of": 2}, "best_of", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": 1}, "frequency_penalty", "not supported"),
-    ({"logit_bias": {"5": 100}}, "logit_bias", "not supported"),
-    ({"min_p": 0.1}, "min_p", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": "1"}, "frequency_penalty", "number"),
+    ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"logit_bias": {"five": 1}}, "logit_bias", "not a token id"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"10000000": 1}}, "logit_bias", "outside the vocabulary"),  # the model's: checked on the leader
     ({"made_up_option": 1}, "made_up_option", "not a field"),
     ({"stream": "yes"}, "stream", "boolean"),
     ({"max_tokens": "5"}, "max_tokens", "integer"),
     ({"top_k": 2.5}, "top_k", "integer"),
     ({"repetition_penalty": -1}, "repetition_penalty", "greater than 0"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "boolean"),
-    ({"stream": True, "logprobs": 2}, "logprobs", "not returned in a stream"),
-    ({"echo": True}, "echo", "not supported"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
+    ({"n": "2"}, "n", "integer"),
+    ({"echo": True, "logprobs": 2}, "echo", "prompt tokens' log-probabilities"),
 ])
 def test_unsupported_or_mistyped_fields_are_refused_by_name(client, served, extra, field, says):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -108,3 +120,209 @@ def test_a_temperature_must_be_a_finite_number(served, number):
     error = reply.json()["error"]
     assert error["param"] == "temperature" and "finite number" in error["message"], error
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+# ---- streamed logprobs, n choices, echo --------------------------------------------------
+# Answers compared across requests must compute alike: a prompt reused from a cache row computes
+# in another order than a fresh one, and this model's logits tie often enough to tell. So each
+# test first runs its request for one token (`warm`): the compared requests then take the same
+# rows (the longest reuse, then the lowest), each holding the prompt from that first run.
+
+CHAT = [{"role": "user", "content": "Write the words one two one two one two"}]
+
+
+def warm(create, **ask) -> None:
+    create(**{**ask, "max_tokens": 1})
+
+
+def spelled(tokens: list[str], text: str) -> bool:
+    """Whether a chunk's tokens spell its text (a token that ends inside a character does not)."""
+    return "\ufffd" in "".join(tokens) or "".join(tokens) == text
+
+
+def test_streamed_chat_logprobs_are_the_whole_answers_split_by_chunk(client):
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    warm(client.chat.completions.create, **ask)
+    whole = client.chat.completions.create(**ask).choices[0]
+    chunks = [chunk.choices[0] for chunk in client.chat.completions.create(**ask, stream=True) if chunk.choices]
+    entries = []
+    for choice in chunks:
+        got = choice.logprobs.content if choice.logprobs else []
+        assert spelled([e.token for e in got], choice.delta.content or ""), choice
+        entries += got
+    assert "".join(choice.delta.content or "" for choice in chunks) == whole.message.content
+    expected = whole.logprobs.content
+    assert [e.token for e in entries] == [e.token for e in expected]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in expected], abs=1e-5)
+    assert [sorted(t.logprob for t in e.top_logprobs) for e in entries] == [
+        pytest.approx(sorted(t.logprob for t in e.top_logprobs), abs=1e-5) for e in expected]
+
+
+def test_streamed_completion_logprobs_are_the_whole_answers_split_by_chunk(client):
+    # " two" may begin the stop string, so its text (and its logprob) waits for the next token's
+    ask = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3, "stop": [" two three"]}
+    warm(client.completions.create, **ask)
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**ask, stream=True) if chunk.choices]
+    tokens, values, offsets = [], [], []
+    for choice in chunks:
+        if choice.logprobs:
+            assert spelled(choice.logprobs.tokens, choice.text), choice
+            tokens += choice.logprobs.tokens
+            values += choice.logprobs.token_logprobs
+            offsets += choice.logprobs.text_offset
+    assert any(choice.logprobs and len(choice.logprobs.tokens) > 1 for choice in chunks)  # held back, then sent
+    assert "".join(choice.text for choice in chunks) == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+
+
+def test_each_choice_has_its_own_request_id_and_seed():
+    rows = choice_options({"request_id": "abc", "seed": SEEDS - 2, "max_tokens": 5}, 3)
+    assert [row["request_id"] for row in rows] == ["abc-0", "abc-1", "abc-2"]
+    assert [row["seed"] for row in rows] == [SEEDS - 2, SEEDS - 1, 0]  # choice 0 draws as the n=1 request
+    assert choice_options({"request_id": "abc", "seed": None}, 2)[1]["seed"] is None  # unseeded stays unseeded
+    assert choice_options({"request_id": "abc", "seed": 4}, 1) == [{"request_id": "abc", "seed": 4}]
+
+
+def test_n_choices_draw_apart_and_count_the_prompt_once(client):
+    # (the same choice of two requests may differ: a row's logits round differently with the rows
+    # around it, see docs/serving.md, so choices are compared with their own logprobs)
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 1.0, "seed": 7, "logprobs": True}
+    one = client.chat.completions.create(**ask)
+    three = client.chat.completions.create(**ask, n=3)
+    assert [choice.index for choice in three.choices] == [0, 1, 2]
+    assert len({choice.message.content for choice in three.choices}) > 1  # each choice draws its own
+    for choice in three.choices:
+        assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
+        assert choice.finish_reason == ("length" if len(choice.logprobs.content) == 12 else "stop")
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert three.usage.completion_tokens == sum(len(choice.logprobs.content) for choice in three.choices)
+
+
+def test_streamed_n_choices_interleave_and_end_one_by_one(client):
+    ask = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "n": 3, "logprobs": 2,
+           "stream": True, "stream_options": {"include_usage": True}}
+    texts, tokens, ends, usages, order = {}, {}, {}, [], []
+    for chunk in client.completions.create(**ask):
+        if chunk.usage:
+            usages.append(chunk.usage)
+            continue
+        choice = chunk.choices[0]
+        order.append(choice.index)
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens if choice.logprobs else [])
+        if choice.finish_reason:
+            ends.setdefault(choice.index, []).append(choice.finish_reason)
+    assert order != sorted(order)  # the choices' chunks interleave, as their rows decode side by side
+    assert sorted(ends) == [0, 1, 2] and all(len(reasons) == 1 for reasons in ends.values())  # one end each
+    assert all("".join(tokens[i]) == texts[i] for i in range(3))
+    assert len(usages) == 1 and usages[0].completion_tokens == sum(map(len, tokens.values()))
+
+
+def test_continuous_usage_stats_count_every_chunk_as_vllm_does(client):
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm sends it): with include_usage,
+    every chunk carries its usage so far, ending at the final usage."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    *content, final = chunks
+    counts = [chunk.usage.completion_tokens for chunk in content[1:]]  # past the role chunk
+    assert all(chunk.usage.prompt_tokens == final.usage.prompt_tokens for chunk in content)
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == final.usage.completion_tokens == 10
+    assert not final.choices and content[-1].choices[0].finish_reason == "length"
+
+
+def test_a_client_leaving_a_stream_of_n_choices_cancels_them_all(client, served):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, n=3, stream=True,
+                                       extra_body={"ignore_eos": True})
+    seen = set()
+    for chunk in stream:
+        seen.add(chunk.choices[0].index)
+        if len(seen) == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 3
+    while served.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() < deadline, served.leader.serving_stats(MODEL)
+        time.sleep(0.05)
+
+
+def test_echo_starts_the_text_with_the_prompt(client):
+    ask = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    warm(client.completions.create, **ask)
+    plain = client.completions.create(**ask).choices[0].text
+    assert client.completions.create(**ask, echo=True).choices[0].text == PROMPT + plain
+    chunks = [chunk.choices[0].text for chunk in client.completions.create(**ask, echo=True, stream=True)]
+    assert chunks[0] == PROMPT and "".join(chunks) == PROMPT + plain
+
+
+def test_n_choices_with_tools_are_refused_by_name(client, served):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, n=2, tools=[tool])
+    assert caught.value.body["param"] == "n", caught.value.body
+    assert served.leader.redis.llen(queue_key(MODEL)) == 0
+
+
+# ---- presence and frequency penalties, logit_bias, min_p, seed -----------------------------
+
+
+def token_id(text: str) -> int:
+    """The one token id that spells `text` (the served model's tokenizer)."""
+    ids = load_tokenizer(default_model_path()).encode(text)
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_logit_bias_bans_or_forces_a_token_of_a_greedy_completion(client, served):
+    chosen, logprobs, top = tokens(client, temperature=0)
+    banned, banned_logprobs, banned_top = tokens(client, temperature=0, logit_bias={str(token_id(chosen[0])): -100})
+    assert chosen[0] not in banned  # -100 bans it everywhere: the second most likely token comes first
+    assert banned_top[0][banned[0]] >= max(v for t, v in banned_top[0].items() if t != chosen[0]) - 1e-6
+    assert banned_top[0][chosen[0]] == pytest.approx(top[0][chosen[0]], abs=0.2)  # log-probabilities stay the model's
+    forced, _, _ = tokens(client, temperature=0, logit_bias={str(token_id(" banana")): 100})
+    assert forced == [" banana"] * 12
+    producer = Celery("plain-producer", broker=served.broker_url, backend=served.broker_url)
+    try:  # the Celery front door takes them too, with a penalty, sampling
+        reply = producer.send_task("celerytp.generate", queue="celerytp.srv.requests", kwargs={
+            "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 1, "presence_penalty": 1.0,
+            "logit_bias": {str(token_id(" banana")): 100}}).get(timeout=60)
+    finally:
+        producer.close()
+    assert reply["token_ids"] == [token_id(" banana")] * 4
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(client):
+    # seeded: prefilled alike every time, so the greedy answers compare across requests (the
+    # prompt's next token is a near tie of " one" and " two")
+    greedy, _, _ = tokens(client, temperature=0, seed=0)
+    for presence, frequency in ((2.0, 0.0), (0.0, 1.0)):
+        chosen, logprobs, top = tokens(client, temperature=0, seed=0, presence_penalty=presence,
+                                       frequency_penalty=frequency)
+        assert chosen != greedy, (presence, frequency, chosen, top)  # the penalty took effect
+        assert chosen[0] == greedy[0]  # on the generated tokens only, not on the prompt's " one two"
+        for i, (token, alternatives) in enumerate(zip(chosen, top)):  # the greedy pick under the penalty
+            count = Counter(chosen[:i])
+
+            def penalized(t: str, logprob: float, count=count) -> float:
+                return logprob - frequency * count[t] - presence * (count[t] > 0)
+
+            best = max(penalized(t, v) for t, v in alternatives.items())
+            assert penalized(token, logprobs[i]) >= best - 1e-4, (i, chosen, alternatives)
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(client):
+    wandered = [all(argmax_taken(*tokens(client, temperature=2, seed=seed))) for seed in range(2)]
+    assert not all(wandered)  # precondition: at temperature 2 the draw wanders
+    for seed in range(2):
+        assert all(argmax_taken(*tokens(client, temperature=2, seed=seed, extra={"min_p": 1.0})))
+
+
+def test_a_seeded_request_gives_the_same_answer_whether_or_not_its_prompt_is_cached(client):
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a short story about a red kite."}],
+           "max_tokens": 24, "temperature": 1.0, "seed": 1234, "logprobs": True}
+    replies = [client.chat.completions.create(**ask).choices[0] for _ in range(3)]  # cold, then cached
+    assert len({reply.message.content for reply in replies}) == 1, [reply.message.content for reply in replies]
+    logprobs = [[entry.logprob for entry in reply.logprobs.content] for reply in replies]
+    assert logprobs[1] == logprobs[0] and logprobs[2] == logprobs[0]

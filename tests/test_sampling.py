@@ -1,4 +1,4 @@
-"""Sampling: greedy, seeded reproducibility, top-k/top-p masks, repetition penalty, validation."""
+"""Sampling: greedy, seeded reproducibility, top-k/top-p/min-p masks, penalties, logit bias, validation."""
 
 from __future__ import annotations
 
@@ -6,18 +6,21 @@ import math
 
 import pytest
 import torch
+from transformers import MinPLogitsWarper
 
+from celerytp.core.errors import CeleryTPError
 from celerytp.core.sampling import SamplingParams
+from celerytp.core.validation import check_logit_bias, refuse_step_penalties
 from celerytp.worker.sampling import (
     CANDIDATES,
     SLICE_DRAW,
     TOP_P_PREFILTER,
     WHOLE,
     RowSampler,
-    apply_repetition_penalty,
     candidate_probs,
     draw_over_shards,
     make_generator,
+    reshaped_logits,
     sample_candidates,
     sample_rows,
     slice_mode,
@@ -180,6 +183,11 @@ def test_sampling_from_top_candidates_draws_what_the_whole_logits_give() -> None
     (SamplingParams(temperature=1.0, top_k=TOP_P_PREFILTER + 1), False, WHOLE),  # past the candidates
     (SamplingParams(temperature=1.0, top_p=0.9), False, WHOLE),  # a nucleus may reach past the candidates
     (SamplingParams(repetition_penalty=1.1), False, WHOLE),
+    (SamplingParams(logit_bias={5: 100}), False, WHOLE),  # greedy too: a bias moves the argmax
+    (SamplingParams(presence_penalty=0.5), False, WHOLE),
+    (SamplingParams(frequency_penalty=-0.5), False, WHOLE),
+    (SamplingParams(temperature=0.7, top_k=50, min_p=0.1), False, WHOLE),
+    (SamplingParams(min_p=0.1), False, CANDIDATES),  # greedy: min_p keeps the argmax
     (SamplingParams(logprobs=2), True, WHOLE),  # a replayed token's log-probability
     (SamplingParams(logprobs=2), False, CANDIDATES),
 ])
@@ -227,7 +235,7 @@ def test_repetition_penalty() -> None:
     assert sample_one(logits, params, [0]) == 2  # the penalty moves greedy off a repeated token
     row = RowSampler.create(SamplingParams(repetition_penalty=2.0), 4, [0, 1, 1])
     plain = RowSampler.create(SamplingParams(), 4)
-    both = apply_repetition_penalty(torch.stack([logits, logits]), [row, plain])
+    both = reshaped_logits(torch.stack([logits, logits]), [row, plain])
     torch.testing.assert_close(both, torch.tensor([[1.0, -4.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]]))
     assert logits[0] == 2.0  # input untouched
 
@@ -258,6 +266,17 @@ def test_logprobs() -> None:
         ({"seed": "7"}, "seed"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": True}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ],
 )
 def test_validation_names_the_field(kwargs: dict, field: str) -> None:
@@ -268,12 +287,102 @@ def test_validation_names_the_field(kwargs: dict, field: str) -> None:
 
 
 def test_from_dict() -> None:
-    d = {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 3, "logprobs": 2}
+    d = {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+         "frequency_penalty": -1.0, "logit_bias": {7: -100.0, 50256: 5.5}, "min_p": 0.05, "seed": 3, "logprobs": 2}
     params = SamplingParams.from_dict(d)
     assert params.to_dict() == d
+    as_json = SamplingParams.from_dict({**d, "logit_bias": {"50256": 5.5, "7": -100}})  # JSON keys are strings
+    assert as_json == params and SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams.from_dict({"temperature": 1}).temperature == 1  # int accepted for a float
     assert SamplingParams.from_dict({}) == SamplingParams()
     with pytest.raises(ValueError, match="unknown sampling params: max_tokens, tempreature"):
         SamplingParams.from_dict({"tempreature": 1.0, "max_tokens": 3})
     with pytest.raises(ValueError, match="must be an object"):
         SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
+
+
+def test_logit_bias_forces_and_bans_a_token_greedy_or_sampled() -> None:
+    logits = random_logits(3)
+    best, second, worst = torch.sort(logits, descending=True).indices[[0, 1, -1]].tolist()
+    assert sample_one(logits, SamplingParams(logit_bias={worst: 100})) == worst
+    assert sample_one(logits, SamplingParams(logit_bias={best: -100})) == second
+    forced = [sample_one(logits, SamplingParams(temperature=1.0, seed=s, logit_bias={worst: 100})) for s in range(20)]
+    assert set(forced) == {worst}
+    banned = [sample_one(logits, SamplingParams(temperature=1.0, seed=s, logit_bias={best: -100})) for s in range(200)]
+    assert best not in banned
+    biased = reshaped_logits(logits[None], [RowSampler.create(SamplingParams(logit_bias={2: 1.5, 7: -0.25}), 50)])[0]
+    expected = logits.clone()
+    expected[2] += 1.5
+    expected[7] -= 0.25
+    torch.testing.assert_close(biased, expected)
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
+    vocab, prompt, generated = 50, [1, 2, 3], [3, 4, 4, 9]
+    params = SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4)
+    row = RowSampler.create(params, vocab, prompt)
+    for token in generated:
+        row.saw(token)
+    logits = random_logits(4)
+    counts = torch.bincount(torch.tensor(generated), minlength=vocab).float()
+    expected = logits - 0.7 * (counts > 0).float() + 0.4 * counts  # OpenAI's formula; the prompt's 1, 2 untouched
+    torch.testing.assert_close(reshaped_logits(logits[None], [row])[0], expected)
+    resumed = RowSampler.create(params, vocab, prompt + generated, generated)  # a resumed request's earlier tokens
+    torch.testing.assert_close(reshaped_logits(logits[None], [resumed])[0], expected)
+    assert logits.equal(random_logits(4))  # the input stays the model's (log-probabilities)
+    penalized = torch.full((vocab,), -5.0)
+    penalized[[3, 4]] = 5.0
+    row = RowSampler.create(SamplingParams(frequency_penalty=2.0), vocab)
+    tokens = []
+    for _ in range(4):
+        tokens.append(sample_rows(penalized[None], [row])[0])
+        row.saw(tokens[-1])
+    assert tokens == [3, 4, 3, 4]  # greedy rows too: each repeat costs 2 more
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("min_p", [0.02, 0.1, 0.5, 1.0])
+def test_min_p_keeps_what_transformers_keeps(temperature: float, min_p: float) -> None:
+    logits = torch.stack([random_logits(s, 200) for s in range(4)])
+    rows = [RowSampler.create(SamplingParams(temperature=temperature, min_p=min_p), 200) for _ in range(4)]
+    kept = reshaped_logits(logits, rows).isfinite()
+    warped = MinPLogitsWarper(min_p)(None, logits / temperature)  # transformers applies it after temperature
+    assert kept.equal(warped.isfinite())
+    probs, ids = candidate_probs(reshaped_logits(logits, rows), torch.full((4,), temperature),
+                                 torch.zeros(4, dtype=torch.long), torch.ones(4))
+    drawn = torch.zeros_like(logits).scatter_add(1, ids, probs)
+    torch.testing.assert_close(drawn, torch.softmax(warped, -1))
+    greedy = RowSampler.create(SamplingParams(min_p=min_p), 200)
+    assert reshaped_logits(logits[:1], [greedy]).equal(logits[:1])  # moot for the argmax
+
+
+def test_a_resumed_penalized_row_samples_what_an_uninterrupted_one_would() -> None:
+    """The serving loop resumes a request with its earlier tokens counted (RowSampler.create's
+    `generated`) and its generator skipped past their draws."""
+    params = SamplingParams(temperature=0.5, seed=11, presence_penalty=2.0, frequency_penalty=2.0,
+                            logit_bias={5: 2.0}, min_p=0.05, repetition_penalty=1.1)
+    steps = [random_logits(0) / 3 + random_logits(s) / 30 for s in range(12)]  # the penalties decide
+    whole = RowSampler.create(params, 50, [1, 2])
+    tokens = []
+    for step in steps:
+        tokens.append(sample_rows(step[None], [whole])[0])
+        whole.saw(tokens[-1])
+    assert len(set(tokens)) > 3  # precondition: it wanders
+    resumed = RowSampler.create(params, 50, [1, 2, *tokens[:5]], tokens[:5])
+    resumed.skip(5)
+    rest = []
+    for step in steps[5:]:
+        rest.append(sample_rows(step[None], [resumed])[0])
+        resumed.saw(rest[-1])
+    assert rest == tokens[5:]
+
+
+def test_model_dependent_refusals_name_their_field() -> None:
+    """Checked on the leader and the ranks before anything runs (core/validation.py)."""
+    check_logit_bias(SamplingParams(logit_bias={49151: 5}), 49152)
+    with pytest.raises(CeleryTPError, match=r"^\[bad_request\] field 'logit_bias': token ids \[49152\] are outside"):
+        check_logit_bias(SamplingParams(logit_bias={3: 1, 49152: 5}), 49152)
+    refuse_step_penalties(SamplingParams(logit_bias={3: 1}, min_p=0.5))  # step mode samples these
+    for name in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(CeleryTPError, match=rf"^\[bad_request\] field '{name}': not available in step mode"):
+            refuse_step_penalties(SamplingParams(**{name: 0.5}))

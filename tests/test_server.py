@@ -103,7 +103,7 @@ def test_logprobs_from_the_ranks(client):
 
 
 def test_errors_in_openai_shape(client, server):
-    for bad, param in [({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature")]:
+    for bad, param in [({"n": 17}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature")]:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=MODEL, messages=CHAT, **bad)
         assert caught.value.body["param"] == param, caught.value.body

@@ -17,7 +17,7 @@ import openai
 import pytest
 from server_fixtures import MODEL, ROOT, start_served
 
-from celerytp.server.tools import ToolMode
+from celerytp.server.tools import CallStream, ToolMode
 
 PERSON = {
     "type": "object",
@@ -85,6 +85,15 @@ def test_json_schema_sampled_and_streamed(client):
     matches_person(json.loads(text))
 
 
+def test_json_schema_on_completions(client):
+    """`response_format` on /v1/completions (vLLM's extension): the text matches the schema."""
+    reply = client.completions.create(
+        model=MODEL, prompt="A person, as JSON:", max_tokens=60, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}})
+    assert reply.choices[0].finish_reason == "stop"
+    matches_person(json.loads(reply.choices[0].text))
+
+
 def test_tool_choice_required(client):
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0,
                                            tools=[WEATHER, TIME], tool_choice="required")
@@ -100,30 +109,39 @@ def test_tool_choice_required(client):
             assert call.function.name == "get_time" and set(args) == {"zone"}
 
 
-def test_tool_choice_named_and_streamed(client):
-    named = {"type": "function", "function": {"name": "get_time"}}
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
-                                           tools=[WEATHER, TIME], tool_choice=named, parallel_tool_calls=False)
-    [call] = reply.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and set(json.loads(call.function.arguments)) == {"zone"}
-    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0, stream=True,
-                                                 tools=[WEATHER, TIME], tool_choice=named))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    [streamed] = [call for d in deltas for call in d.tool_calls or []]
-    assert streamed.function.name == "get_time"
-    assert streamed.function.arguments == call.function.arguments  # greedy: the same call
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+def streamed_answer(chunks) -> tuple[str, list[tuple[str, str]], str]:
+    """A streamed chat's content, calls (name, arguments) and finish_reason, checking the chunks
+    are what a LangChain-style consumer merges: a call's first chunk has its index, id, type and
+    name; later ones only its index and an arguments piece."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for entry in delta.tool_calls or []:
+            if entry.index not in calls:
+                assert entry.id.startswith("call_") and entry.type == "function" and entry.function.name, entry
+                assert entry.function.arguments == "" and entry.index == len(calls), entry
+                calls[entry.index] = [entry.function.name, ""]
+            else:
+                assert entry.id is None and entry.type is None and entry.function.name is None, entry
+                calls[entry.index][1] += entry.function.arguments
+        reason = chunk.choices[0].finish_reason or reason
+    return content, [tuple(call) for _, call in sorted(calls.items())], reason
 
 
-def test_tool_choice_auto_answers(client):
-    """auto leaves the model free: a text answer or a parsed call, both well-formed."""
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0, tools=[WEATHER])
-    choice = reply.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        assert json.loads(choice.message.tool_calls[0].function.arguments) is not None
-    else:
-        assert choice.finish_reason in ("stop", "length") and choice.message.content
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_streamed_tool_calls_add_up_to_the_answer(client, choice):
+    """Greedy, the calls streamed piece by piece are the non-streamed answer's calls."""
+    request = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=0, tools=[WEATHER, TIME], tool_choice=choice)
+    whole = client.chat.completions.create(**request).choices[0]
+    content, calls, reason = streamed_answer(client.chat.completions.create(**request, stream=True))
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert content == (whole.message.content or "") and reason == whole.finish_reason
+    if choice != "auto":
+        assert calls and reason == "tool_calls"
+        assert all(json.loads(args) for _, args in calls)
 
 
 def test_auto_parses_the_models_tool_call_text():
@@ -134,6 +152,21 @@ def test_auto_parses_the_models_tool_call_text():
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
     assert mode.calls("It is sunny.") is None
     assert mode.calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>') is None
+
+
+def test_auto_streams_content_until_a_call_starts():
+    """The text before `<tool_call>` streams as content (a marker split over pieces held back),
+    the call's arguments stream in pieces, and all adds up to the whole answer read at once."""
+    mode = ToolMode([WEATHER, TIME], None, True)
+    text = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    stream = CallStream(mode)
+    deltas = [stream.feed(text[i:i + 3]) for i in range(0, len(text), 3)] + [stream.feed("", final=True)]
+    content, [call] = mode.answer(text)
+    assert "".join(d.get("content", "") for d in deltas) == content == "Let me look."
+    assert all("<" not in d.get("content", "") for d in deltas)
+    pieces = [e["function"]["arguments"] for d in deltas for e in d.get("tool_calls", [])]
+    assert len(pieces) > 3 and "".join(pieces) == call["function"]["arguments"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
 
 
 def test_constrained_row_leaves_unconstrained_rows_unchanged(client):
@@ -174,6 +207,14 @@ BAD = [
 ]
 
 
+BAD_COMPLETIONS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": "json"}, "response_format"),
+    ({"tools": [WEATHER]}, "tools"),  # tools are for chat
+]
+
+
 def test_bad_input_is_refused_before_anything_is_queued(served):
     stats = served.leader.serving_stats
     deadline = time.monotonic() + 30
@@ -181,9 +222,11 @@ def test_bad_input_is_refused_before_anything_is_queued(served):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     before = stats(MODEL)
-    for extra, param in BAD:
-        body = {"model": MODEL, "messages": ASK, "max_tokens": 8, **extra}
-        response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=30)
+    bodies = [("chat/completions", {"messages": ASK, **extra}, param) for extra, param in BAD]
+    bodies += [("completions", {"prompt": "Hi", **extra}, param) for extra, param in BAD_COMPLETIONS]
+    for path, extra, param in bodies:
+        body = {"model": MODEL, "max_tokens": 8, **extra}
+        response = httpx.post(f"{served.url}/v1/{path}", json=body, timeout=30)
         assert response.status_code == 400, (extra, response.text)
         error = response.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error", (extra, error)

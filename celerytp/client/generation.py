@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -19,7 +20,14 @@ from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_mess
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.stopping import StopChecker, cut_at_stop
 from celerytp.core.tokenizer import Tokenizer, load_tokenizer
-from celerytp.core.validation import bad_request, check_tokens, prefill_chunks, sampling_params
+from celerytp.core.validation import (
+    bad_request,
+    check_logit_bias,
+    check_tokens,
+    prefill_chunks,
+    refuse_step_penalties,
+    sampling_params,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MODES = ("fused", "step")
@@ -100,6 +108,10 @@ def prepare(
     top_k: int | None = None,
     top_p: float | None = None,
     repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int | str, float] | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     logprobs: int | None = None,
     stop: list[str] | str | None = None,
@@ -121,7 +133,8 @@ def prepare(
     ids = prompt_ids(tokenizer, prompt, messages, tools)
     given = {
         "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
-        "seed": seed, "logprobs": logprobs,
+        "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty, "logit_bias": logit_bias,
+        "min_p": min_p, "seed": seed, "logprobs": logprobs,
     }
     params = sampling_params({**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
     stops = [stop] if isinstance(stop, str) else stop
@@ -145,7 +158,7 @@ def check_spec(record: dict[str, Any], spec: dict[str, Any]) -> None:
     """A request's wire fields, checked on the leader as every rank checks them."""
     validate_message(GenSpec, spec, "generate")
     check_tokens(spec["prompt"], max_context=record["max_context"], vocab_size=record["vocab_size"], field="prompt")
-    sampling_params(spec.get("sampling"))
+    check_logit_bias(sampling_params(spec.get("sampling")), record["vocab_size"])
 
 
 def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
@@ -163,6 +176,7 @@ def run_steps(step: StepFn, prepared: Prepared, max_context: int) -> RowResult:
     spec, ids = prepared.spec, prepared.spec["prompt"]
     if spec.get("grammar") is not None:
         raise bad_request("grammar", "structured output runs in the serving loop (fused mode) only")
+    refuse_step_penalties(prepared.params)
     checker = StopChecker(
         set(spec["eos_token_ids"]), spec["max_tokens"], len(ids), max_context, prepared.stops, prepared.tokenizer.decode
     )
@@ -182,6 +196,16 @@ def run_steps(step: StepFn, prepared: Prepared, max_context: int) -> RowResult:
     )
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A streamed text delta and the tokens whose text it completes (the last piece: every token
+    not given yet), their logprobs too when asked for, as in GenerationResult."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None = None
+
+
 class TokenStream:
     """Text deltas of one request as rank 0 publishes its tokens; `.result` at the end.
 
@@ -199,8 +223,26 @@ class TokenStream:
         self._timeout = timeout
         self._events: Iterator | None = None  # the request's events once iteration began
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._prepared.spec["prompt"])
+
     def __iter__(self) -> Iterator[str]:
+        pieces = self.pieces()
+        try:
+            for piece in pieces:
+                if piece.text:
+                    yield piece.text
+        finally:
+            pieces.close()
+
+    def pieces(self) -> Iterator[Piece]:
+        """The deltas with their tokens: concatenated, the pieces' text is the result's text and
+        their tokens (and logprobs) are the result's, each token with the delta that completes its text."""
         text = StreamText(self._prepared.tokenizer.decode, self._prepared.stops)
+        ids: list[int] = []  # received and not given yet, with their logprobs
+        logprobs: list = []
+        given = 0
         self._events = events = self._pending.events(self._timeout)
         try:
             for event in events:
@@ -210,13 +252,20 @@ class TokenStream:
                 self.ttft_s = self.ttft_s or time.perf_counter() - self._prepared.started
                 self.tokens += 1
                 delta = text.feed(event.id)
+                ids.append(event.id)
+                logprobs.append(event.logprob)
                 if delta:
-                    yield delta
+                    count = text.covered - given
+                    yield Piece(delta, ids[:count], logprobs[:count] if self._prepared.params.logprobs else None)
+                    del ids[:count], logprobs[:count]
+                    given += count
         finally:
             events.close()  # left early (break, close, garbage): the request is cancelled
-        rest = self.result.text[text.sent:]
-        if rest:
-            yield rest
+        result = self.result
+        rest, left = result.text[text.sent:], result.token_ids[given:]  # the result's own list is the one kept
+        if rest or left:
+            left_logprobs = None if result.logprobs is None else result.logprobs[given : len(result.token_ids)]
+            yield Piece(rest, left, left_logprobs)
 
     def close(self) -> None:
         """Stop following the request and cancel it (its row frees within a few steps)."""
@@ -243,6 +292,7 @@ class StreamText:
         self.stops = stops
         self.sent = 0  # characters of the text sent
         self._text = IncrementalText(decode)
+        self._ends: list[int] = []  # per token whose text is final: where its text ends
         self._reach = max(map(len, stops), default=1) - 1  # how far back a stop string can begin
         self._cut: int | None = None  # where the earliest stop string found begins
         # The stops' proper prefixes, longest first: text ending in one may yet become a stop string.
@@ -251,7 +301,9 @@ class StreamText:
     def feed(self, token_id: int) -> str:
         """Record a token; return the text to send now (may be "")."""
         before = len(self._text.text)
-        if not self._text.feed(token_id):
+        grown = self._text.feed(token_id)
+        self._ends += [len(self._text.text)] * (self._text.settled - len(self._ends))
+        if not grown:
             return ""
         text = self._text.text
         found, stop = cut_at_stop(text, self.stops, max(0, before - self._reach))
@@ -262,3 +314,8 @@ class StreamText:
         delta = text[self.sent : end]
         self.sent = max(self.sent, end)
         return delta
+
+    @property
+    def covered(self) -> int:
+        """How many tokens have all their text sent."""
+        return bisect_right(self._ends, self.sent)

@@ -236,11 +236,12 @@ class Leader:
     ) -> GenerationResult:
         """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
-        Options: max_tokens, temperature, top_k, top_p, repetition_penalty, seed, logprobs, stop,
-        request_id (to cancel it), ignore_eos (run to max_tokens, for benchmarks). Unset
-        sampling options come from generation_config.json. `mode="fused"` queues the request
-        for the model's serving loop, where it joins whatever else is running; `mode="step"`
-        drives one step chord per token. Both give the same tokens.
+        Options: max_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty,
+        frequency_penalty, logit_bias ({token id: bias}), min_p, seed, logprobs, stop, request_id
+        (to cancel it), ignore_eos (run to max_tokens, for benchmarks). Unset sampling options
+        come from generation_config.json. `mode="fused"` queues the request for the model's
+        serving loop, where it joins whatever else is running; `mode="step"` drives one step
+        chord per token (no presence or frequency penalty). Both give the same tokens.
         """
         if mode not in MODES:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'mode': one of {MODES} is required, got {mode!r}")

@@ -41,6 +41,7 @@ Serve = Callable[[str, bool], None]  # (model_id, heal): start loops on the mode
 @dataclass(frozen=True)
 class Token:
     id: int
+    logprob: tuple[float, list] | None = None  # [logprob, [[id, logprob], ...]] when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class RequestQueues:
                             if record.index > expected:  # Redis lost tokens (its fsync window): go on without them
                                 log.warning("request %s: tokens %d-%d were lost", request_id, expected, record.index - 1)
                             expected = record.index + 1
-                            yield Token(record.token)
+                            yield Token(record.token, record.logprob)
                     elif record.done is not None:
                         finished = True
                         yield Done(record.done)

@@ -46,3 +46,8 @@ class IncrementalText:
         else:
             self._open += len(delta)
         return delta
+
+    @property
+    def settled(self) -> int:
+        """How many of the ids have their text final in `text` (the rest end in an open sequence)."""
+        return self._read_offset

@@ -2,7 +2,8 @@
 
 Rank 0 writes these (worker/serving) and leaders read them (client/requests); both ends go
 through this model so the wire format lives in one place. On the wire an entry is `t` (token id)
-with `i` (its index in the completion), `done` (RowResult JSON) or `error` ({kind, message} JSON).
+with `i` (its index in the completion) and, when the request asked for logprobs, `l` (JSON
+[logprob, [[id, logprob], ...]]), or `done` (RowResult JSON) or `error` ({kind, message} JSON).
 The index lets a reader drop a token that a resumed request's earlier holder also wrote.
 """
 
@@ -19,12 +20,13 @@ from celerytp.core.protocol import RowResult
 class StreamRecord(BaseModel):
     token: int | None = None
     index: int = 0  # the token's position in the completion
+    logprob: tuple[float, list[tuple[int, float]]] | None = None  # the token's, and the top ones, when asked for
     done: RowResult | None = None
     error: tuple[ErrorKind, str] | None = None  # (kind, message)
 
     @classmethod
-    def of_token(cls, token: int, index: int) -> StreamRecord:
-        return cls(token=token, index=index)
+    def of_token(cls, token: int, index: int, logprob: tuple[float, list] | None = None) -> StreamRecord:
+        return cls(token=token, index=index, logprob=logprob)
 
     @classmethod
     def of_result(cls, result: RowResult) -> StreamRecord:
@@ -37,7 +39,10 @@ class StreamRecord(BaseModel):
     def to_fields(self) -> dict[str, str | int]:
         """The Redis Stream fields of this record (XADD's mapping)."""
         if self.token is not None:
-            return {"t": self.token, "i": self.index}
+            fields: dict[str, str | int] = {"t": self.token, "i": self.index}
+            if self.logprob is not None:
+                fields["l"] = json.dumps(self.logprob)
+            return fields
         if self.done is not None:
             return {"done": self.done.model_dump_json()}
         if self.error is not None:
@@ -49,7 +54,8 @@ class StreamRecord(BaseModel):
         """Parse one XREAD entry's fields; CeleryTPError(internal) for anything else."""
         try:
             if b"t" in fields:
-                return cls(token=int(fields[b"t"]), index=int(fields[b"i"]))
+                logprob = json.loads(fields[b"l"]) if b"l" in fields else None
+                return cls(token=int(fields[b"t"]), index=int(fields[b"i"]), logprob=logprob)
             if b"done" in fields:
                 return cls(done=RowResult.model_validate_json(fields[b"done"]))
             if b"error" in fields:

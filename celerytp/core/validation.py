@@ -39,6 +39,22 @@ def sampling_params(fields: Mapping[str, Any] | None, field: str = "sampling") -
         raise bad_request(field, str(exc)) from None
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias may only name tokens of the vocabulary (checked where the prompt's ids are)."""
+    outside = [t for t in params.logit_bias or {} if t >= vocab_size]
+    if outside:
+        raise bad_request("logit_bias", f"token ids {outside[:5]} are outside the vocabulary of {vocab_size}")
+
+
+def refuse_step_penalties(params: SamplingParams) -> None:
+    """Step mode feeds prompt and generated tokens alike, so it cannot count what a completion
+    generated: the presence and frequency penalties are the serving loop's (fused mode) only."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(params, name) != 0:
+            raise bad_request(name, "not available in step mode (it cannot tell generated tokens from the "
+                                    "prompt's); use fused mode")
+
+
 def prefill_chunks(length: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
     """(start, end) of each prefill chunk of a `length`-token prompt."""
     return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]

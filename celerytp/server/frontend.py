@@ -1,7 +1,8 @@
 """The Celery front door: a `celerytp.generate` task that any Celery producer can send.
 
 It takes the HTTP API's fields as kwargs (`model`, `prompt` or `messages`, max_tokens,
-temperature, top_p, seed, stop, ...), validated the same way, and returns a JSON dict. An unknown
+temperature, top_p, seed, stop, response_format, tools with `messages`, ...), validated the same
+way, and returns a JSON dict (with `tool_calls` when the model called tools). An unknown
 kwarg or a positional argument is refused. A failure is a task failure whose message starts with
 the error kind, the same kind the HTTP API puts in `code` (`bad_request: field 'x': ...`,
 `model_not_found: ...`); it is raised as a builtin RuntimeError so that a producer without
@@ -34,6 +35,7 @@ from celerytp.client.leader import Leader
 from celerytp.core.app import make_app
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import mask_secrets
+from celerytp.server import tools
 from celerytp.server.schemas import TaskRequest, parse
 from celerytp.server.service import Service, error_code
 
@@ -85,6 +87,7 @@ def run_request(
     "tokens"}` so far at most every PROGRESS_S while it generates."""
     model_id = service.resolve(body.model)
     options = {**body.options(), **({"request_id": request_id} if request_id else {})}
+    mode = tools.apply(service, model_id, body, options)  # response_format, tools: refused here, before queueing
     text, shown = "", time.monotonic()
     try:
         with service.stream(model_id, options) as stream:
@@ -99,12 +102,16 @@ def run_request(
     result = stream.result
     assert result is not None  # the stream ended with its result (errors raise)
     service.count(model_id, result)
-    return {
+    reply = {
         "model": model_id, "text": result.text, "token_ids": result.token_ids,
         "finish_reason": result.finish_reason if result.finish_reason in ("length", "cancelled") else "stop",
         "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                   "total_tokens": result.prompt_tokens + result.completion_tokens},
     }
+    calls = mode.calls(result.text) if mode is not None else None
+    if calls:  # `text` stays the model's own text, as PROGRESS showed it
+        reply.update(tool_calls=calls, finish_reason=tools.finish(reply["finish_reason"], True))
+    return reply
 
 
 def register_generate(app: Celery, service: Callable[[], Service]) -> None:

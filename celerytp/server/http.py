@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from celerytp.client.generation import GenerationResult
+from celerytp.client.generation import GenerationResult, Piece, TokenStream
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.server import tools
 from celerytp.server.errors import (
@@ -38,12 +38,13 @@ from celerytp.server.errors import (
     problem_response,
     validation_response,
 )
-from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs
-from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, parse
+from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs, text_length
+from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, StreamOptions, parse
 from celerytp.server.service import Service
 
 DISCONNECT_POLL_S = 0.1
 ABANDONED_END_S = 10.0  # how long an abandoned stream's cancelled end is awaited, to count it
+SEEDS = 1 << 63  # a seed is in 0..2**63-1 (core/sampling.py): choice i's seed wraps around
 _END = object()
 
 
@@ -161,20 +162,17 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         request_id = uuid.uuid4().hex
         options = {**body.options(), "request_id": request_id}
         decode = await run_in_threadpool(service.decoder, model_id) if options.get("logprobs") else None
-        shape = Shape(chat, model_id, request_id, top_logprobs(body), decode)
-        shape.tools = await run_in_threadpool(tools.apply, service, model_id, body, options)  # structured output
-        if body.stream and shape.tools is None:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = await run_in_threadpool(service.stream, model_id, options)  # a bad request fails here, as JSON
-            events = sse(service, request, stream, shape, include_usage)
+        mode = await run_in_threadpool(tools.apply, service, model_id, body, options)  # structured output
+        shape = (StreamedCalls if body.stream and mode else Shape)(chat, model_id, request_id, top_logprobs(body), decode)
+        shape.tools = mode
+        shape.echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
+        rows = choice_options(options, body.n)
+        if body.stream:
+            streams = await run_in_threadpool(open_streams, service, model_id, rows)  # a bad request fails here, as JSON
+            events = sse(service, request, streams, shape, body.stream_options)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        result = await until_disconnected(request, run_in_threadpool(service.generate, model_id, options),
-                                          lambda: service.leader.cancel(request_id))
-        if body.stream:  # tools: the calls are parsed from the whole answer, then sent as chunks
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(iter_events(shape.stream_whole(result, include_usage)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(shape.complete(result))
+        results = await generate_choices(request, service, model_id, rows)
+        return JSONResponse(shape.complete(*results))
 
     app.add_middleware(RequestContext)  # added last: outermost, so it sees (and shapes) every response
     return app
@@ -345,29 +343,83 @@ async def until_disconnected(request: Request, work: Awaitable[Any], on_disconne
     return await task
 
 
-def pump(stream: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-    """In its own thread: move a TokenStream's deltas (then _END, or the error) onto `queue`, so
-    the event loop is woken once per token instead of handing each token across threads."""
+def choice_options(options: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The leader options of each of `n` choices: request ids derived from the response's, and
+    with a seed, choice i seeded seed + i (so choice 0 is the n=1 request, and all reproducible)."""
+    if n == 1:
+        return [options]
+    seed = options.get("seed")
+    return [{**options, "request_id": f"{options['request_id']}-{i}",
+             "seed": None if seed is None else (seed + i) % SEEDS} for i in range(n)]
+
+
+async def generate_choices(request: Request, service: Service, model_id: str,
+                           rows: list[dict[str, Any]]) -> list[GenerationResult]:
+    """Every choice's result, run side by side; all are cancelled if the client goes away or one fails."""
+    def cancel_all() -> None:
+        for row in rows:
+            service.leader.cancel(row["request_id"])
+
+    work = asyncio.gather(*(run_in_threadpool(service.generate, model_id, row) for row in rows))
     try:
-        for delta in stream:
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-        loop.call_soon_threadsafe(queue.put_nowait, _END)
+        return await until_disconnected(request, work, cancel_all)
+    except CeleryTPError:
+        if len(rows) > 1:
+            await run_in_threadpool(cancel_all)
+        raise
+
+
+def open_streams(service: Service, model_id: str, rows: list[dict[str, Any]]) -> list[TokenStream]:
+    """A stream per choice; if one cannot be queued, the ones already queued are cancelled."""
+    streams: list[TokenStream] = []
+    try:
+        for row in rows:
+            streams.append(service.stream(model_id, row))
+    except Exception:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+def pump(stream: TokenStream, index: int, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+    """In its own thread: move a TokenStream's pieces (then _END, or the error) onto `queue` as
+    (choice index, item), so the event loop is woken once per token instead of handing each
+    token across threads."""
+    try:
+        for piece in stream.pieces():
+            loop.call_soon_threadsafe(queue.put_nowait, (index, piece))
+        loop.call_soon_threadsafe(queue.put_nowait, (index, _END))
     except RuntimeError:  # the event loop closed: the server is stopping
         pass
     except Exception as exc:  # noqa: BLE001 - handed to the event loop, which answers it
-        loop.call_soon_threadsafe(queue.put_nowait, exc)
+        loop.call_soon_threadsafe(queue.put_nowait, (index, exc))
 
 
-async def sse(service: Service, request: Request, stream: Any, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of a TokenStream, in OpenAI's chunk format; cancels on disconnect."""
+async def sse(service: Service, request: Request, streams: list[TokenStream], shape: Shape,
+              options: StreamOptions | None) -> AsyncIterator[str]:
+    """Server-sent events of the choices' TokenStreams, in OpenAI's chunk format, the choices'
+    chunks interleaved as their tokens come; cancels every running choice on disconnect or error."""
+    include_usage = bool(options and options.include_usage)
+    sent = [0] * len(streams)  # each choice's tokens sent so far
+
+    def counted(chunk: dict, index: int) -> dict:
+        if include_usage and options.continuous_usage_stats:  # vLLM's: every chunk with its usage so far
+            chunk["usage"] = {"prompt_tokens": streams[index].prompt_tokens, "completion_tokens": sent[index],
+                              "total_tokens": streams[index].prompt_tokens + sent[index]}
+        return chunk
+
     queue: asyncio.Queue = asyncio.Queue()
-    pumping = threading.Thread(target=pump, args=(stream, asyncio.get_running_loop(), queue), daemon=True)
-    pumping.start()
-    finished, checked = False, time.monotonic()
+    loop = asyncio.get_running_loop()
+    pumps = [threading.Thread(target=pump, args=(s, i, loop, queue), daemon=True) for i, s in enumerate(streams)]
+    for pumping in pumps:
+        pumping.start()
+    running, checked = set(range(len(streams))), time.monotonic()
     try:
-        if shape.chat:
-            yield event(shape.chunk({"role": "assistant", "content": ""}, None))
-        while True:
+        opening = "".join(event(counted(chunk, i)) for i in sorted(running) for chunk in shape.opening(i))
+        if opening:
+            yield opening
+        while running:
             try:
                 items = [await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)]
             except TimeoutError:
@@ -376,49 +428,46 @@ async def sse(service: Service, request: Request, stream: Any, shape: Shape, inc
                 checked = time.monotonic()
                 if await request.is_disconnected():
                     return
-            if not items:
-                continue
             while not queue.empty():  # whatever else arrived meanwhile goes out in one write
                 items.append(queue.get_nowait())
-            deltas = [item for item in items if isinstance(item, str)]
-            if deltas:
-                yield "".join(event(shape.chunk(delta, None)) for delta in deltas)
-            if isinstance(items[-1], Exception):  # _END or an error is always the last item
-                raise items[-1]
-            if items[-1] is _END:
-                break
-        result: GenerationResult = stream.result
-        finished = True
-        if result is None:
-            return
-        await run_in_threadpool(service.count, shape.model_id, result)  # a Redis write (metrics)
-        yield event(shape.chunk("", finish_reason(result)))
+            out = []
+            for index, item in items:
+                if isinstance(item, Exception):
+                    running.discard(index)  # it ended, with its error
+                    raise item
+                if item is _END:
+                    running.discard(index)
+                    result = streams[index].result
+                    await run_in_threadpool(service.count, shape.model_id, result)  # a Redis write (metrics)
+                    sent[index] = result.completion_tokens
+                    out.append(event(counted(shape.chunk("", finish_reason(result), index), index)))
+                elif item.text or item.logprobs:
+                    sent[index] += len(item.token_ids)
+                    out.append(event(counted(shape.piece(item, index), index)))
+            if out:
+                yield "".join(out)
         if include_usage:
-            yield event({**shape.chunk("", None), "choices": [], "usage": usage(result)})
+            yield event({**shape.chunk("", None), "choices": [], "usage": usage(*(s.result for s in streams))})
         yield "data: [DONE]\n\n"
     except CeleryTPError as exc:
-        finished = True
         await run_in_threadpool(service.count_error, shape.model_id, exc)
         yield event(from_celerytp(exc)[1])
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:  # the client went away (or the server is stopping): free the row
-            await asyncio.shield(run_in_threadpool(abandon, service, stream, pumping, shape.model_id))
+        if running:  # the client went away, a choice failed or the server is stopping: free the rows
+            left = [(streams[i], pumps[i]) for i in sorted(running)]
+            await asyncio.shield(run_in_threadpool(abandon, service, left, shape.model_id))
 
 
-def abandon(service: Service, stream: Any, pumping: threading.Thread, model_id: str) -> None:
-    """Cancel a stream nobody reads any more, then count its end (cancelled, or whatever it
-    reached first) once the pump has read it."""
-    service.leader.cancel(stream.request_id)
-    pumping.join(ABANDONED_END_S)
-    if stream.result is not None:
-        service.count(model_id, stream.result)
-
-
-async def iter_events(chunks: list[dict]) -> AsyncIterator[str]:
-    for chunk in chunks:
-        yield event(chunk)
-    yield "data: [DONE]\n\n"
+def abandon(service: Service, rows: list[tuple[TokenStream, threading.Thread]], model_id: str) -> None:
+    """Cancel streams nobody reads any more, then count each one's end (cancelled, or whatever it
+    reached first) once its pump has read it."""
+    for stream, _ in rows:
+        service.leader.cancel(stream.request_id)
+    for stream, pumping in rows:
+        pumping.join(ABANDONED_END_S)
+        if stream.result is not None:
+            service.count(model_id, stream.result)
 
 
 def event(payload: dict) -> str:
@@ -429,9 +478,10 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+def usage(*results: GenerationResult) -> dict[str, int]:
+    """The choices of one prompt: the prompt counted once, every choice's tokens."""
+    prompt, completion = results[0].prompt_tokens, sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def top_logprobs(body: SamplingFields) -> int:
@@ -460,44 +510,82 @@ class Shape:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.tools: tools.ToolMode | None = None  # a chat with tools: its answer may be tool calls
+        self.echo = ""  # a completion with `echo`: its prompt, which each choice's text starts with
+        self._offsets: dict[int, int] = {}  # a streamed completion's text_offset so far, per choice
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
 
-    def complete(self, result: GenerationResult) -> dict:
+    def complete(self, *results: GenerationResult) -> dict:
+        """The response of one or more choices (the results in choice order)."""
+        obj = "chat.completion" if self.chat else "text_completion"
+        choices = [self._choice(result, index) for index, result in enumerate(results)]
+        return {**self._head(obj), "choices": choices, "usage": usage(*results)}
+
+    def _choice(self, result: GenerationResult, index: int) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+            choice = {"index": index, "message": {"role": "assistant", "content": result.text}}
         else:
-            choice = {"index": 0, "text": result.text}
+            choice = {"index": index, "text": self.echo + result.text}
         logprobs = None
         if self.decode is not None:
             shape = chat_logprobs if self.chat else completion_logprobs
             logprobs = shape(result, self.decode, self.top_n)
         choice.update(logprobs=logprobs, finish_reason=finish_reason(result))
-        calls = self.tools.calls(result.text) if self.chat and self.tools is not None else None
+        content, calls = self.tools.answer(result.text) if self.chat and self.tools is not None else (None, None)
         if calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-            choice["finish_reason"] = "tool_calls"
-        obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": usage(result)}
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            choice["finish_reason"] = tools.finish(choice["finish_reason"], True)
+        return choice
 
-    def stream_whole(self, result: GenerationResult, include_usage: bool) -> list[dict]:
-        """A finished chat answer as stream chunks: the role, the content or the tool calls, the end."""
-        choice = self.complete(result)["choices"][0]
-        message = choice["message"]
-        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]} \
-            if message.get("tool_calls") else {"content": message["content"]}
-        chunks = [self.chunk({"role": "assistant", "content": ""}, None), self.chunk(delta, None),
-                  self.chunk("", choice["finish_reason"])]
-        if include_usage:
-            chunks.append({**self.chunk("", None), "choices": [], "usage": usage(result)})
-        return chunks
-
-    def chunk(self, delta: str | dict, reason: str | None) -> dict:
+    def chunk(self, delta: str | dict, reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else ({"content": delta} if delta else {})}
+            choice = {"index": index,
+                      "delta": delta if isinstance(delta, dict) else ({"content": delta} if delta else {})}
             obj = "chat.completion.chunk"
         else:
-            choice, obj = {"index": 0, "text": delta}, "text_completion"
-        choice.update(logprobs=None, finish_reason=reason)
+            choice, obj = {"index": index, "text": delta}, "text_completion"
+        choice.update(logprobs=logprobs, finish_reason=reason)
         return {**self._head(obj), "choices": [choice]}
+
+    def opening(self, index: int) -> list[dict]:
+        """What a streamed choice starts with: a chat's role; a completion's echoed prompt."""
+        if self.chat:
+            return [self.chunk({"role": "assistant", "content": ""}, None, index)]
+        return [self.chunk(self.echo, None, index)] if self.echo else []
+
+    def piece(self, piece: Piece, index: int) -> dict:
+        """The chunk of a streamed delta, with the logprobs of the tokens whose text it carries."""
+        if self.decode is None or piece.logprobs is None:
+            return self.chunk(piece.text, None, index)
+        if self.chat:
+            return self.chunk(piece.text, None, index, chat_logprobs(piece, self.decode, self.top_n))
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + text_length(piece, self.decode)
+        return self.chunk(piece.text, None, index, completion_logprobs(piece, self.decode, self.top_n, offset))
+
+
+class StreamedCalls(Shape):
+    """A streamed chat with tools: each choice's text goes through a tools.CallStream, so content
+    streams until the model starts a call and the calls stream as OpenAI streams them (the first
+    chunk of a call names it, the next ones carry its arguments); the end flushes what was held
+    back and says "tool_calls"."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._calls: dict[int, tools.CallStream] = {}
+
+    def _stream(self, index: int) -> tools.CallStream:
+        assert self.tools is not None
+        return self._calls.setdefault(index, tools.CallStream(self.tools))
+
+    def piece(self, piece: Piece, index: int) -> dict:
+        chunk = super().piece(piece, index)  # the logprobs as without tools; the text read for calls
+        chunk["choices"][0]["delta"] = self._stream(index).feed(piece.text)
+        return chunk
+
+    def chunk(self, delta: str | dict, reason: str | None, index: int = 0, logprobs: dict | None = None) -> dict:
+        if reason is not None:  # a choice's end
+            calls = self._stream(index)
+            delta, reason = calls.feed("", final=True), tools.finish(reason, calls.called)
+        return super().chunk(delta, reason, index, logprobs)

@@ -1,12 +1,20 @@
-"""Token log-probabilities from the ranks, in OpenAI's two shapes (chat and text completions)."""
+"""Token log-probabilities from the ranks, in OpenAI's two shapes (chat and text completions).
+
+Each shape takes `tokens`: a whole GenerationResult, or one streamed Piece (the tokens whose text
+a chunk carries), so a stream's chunks concatenate to the non-streamed list.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-from celerytp.client.generation import GenerationResult
+from typing import Protocol
 
 Decode = Callable[[list[int]], str]
+
+
+class Tokens(Protocol):
+    token_ids: list[int]
+    logprobs: list | None  # per token: [logprob, [[id, logprob], ...]]
 
 
 def _entry(decode: Decode, token_id: int, logprob: float) -> dict:
@@ -14,25 +22,31 @@ def _entry(decode: Decode, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def chat_logprobs(result: GenerationResult, decode: Decode, top_n: int) -> dict | None:
-    """`choices[0].logprobs` of a chat completion: per token its text, logprob and the top `top_n`."""
-    if result.logprobs is None:
+def chat_logprobs(tokens: Tokens, decode: Decode, top_n: int) -> dict | None:
+    """`choices[i].logprobs` of a chat completion: per token its text, logprob and the top `top_n`."""
+    if tokens.logprobs is None:
         return None
     content = [
         {**_entry(decode, token_id, logprob), "top_logprobs": [_entry(decode, i, lp) for i, lp in top[:top_n]]}
-        for token_id, (logprob, top) in zip(result.token_ids, result.logprobs, strict=False)
+        for token_id, (logprob, top) in zip(tokens.token_ids, tokens.logprobs, strict=False)
     ]
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(result: GenerationResult, decode: Decode, top_n: int) -> dict | None:
-    """`choices[0].logprobs` of a text completion (the legacy shape: parallel lists)."""
-    if result.logprobs is None:
+def completion_logprobs(tokens: Tokens, decode: Decode, top_n: int, offset: int = 0) -> dict | None:
+    """`choices[i].logprobs` of a text completion (the legacy shape: parallel lists); `offset` is
+    where the first token's text begins in the completion (a stream's later chunks)."""
+    if tokens.logprobs is None:
         return None
-    pairs = list(zip(result.token_ids, result.logprobs, strict=False))
-    tokens = [decode([token_id]) for token_id, _ in pairs]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    pairs = list(zip(tokens.token_ids, tokens.logprobs, strict=False))
+    texts = [decode([token_id]) for token_id, _ in pairs]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     return {
-        "tokens": tokens, "token_logprobs": [logprob for _, (logprob, _) in pairs],
+        "tokens": texts, "token_logprobs": [logprob for _, (logprob, _) in pairs],
         "top_logprobs": [{decode([i]): lp for i, lp in top[:top_n]} for _, (_, top) in pairs], "text_offset": offsets,
     }
+
+
+def text_length(tokens: Tokens, decode: Decode) -> int:
+    """How far `completion_logprobs` offsets the tokens after these."""
+    return sum(len(decode([token_id])) for token_id in tokens.token_ids)

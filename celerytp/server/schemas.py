@@ -10,6 +10,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.sampling import logit_bias_entries
 
 Request = TypeVar("Request", bound="SamplingFields")
 
@@ -17,6 +18,9 @@ Request = TypeVar("Request", bound="SamplingFields")
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = Field(False, strict=True)
+    # vLLM's extension (load tools such as guidellm send it): with include_usage, every chunk
+    # carries its choice's usage so far
+    continuous_usage_stats: bool = Field(False, strict=True)
 
 
 class TextPart(BaseModel):
@@ -53,15 +57,14 @@ class Message(BaseModel):
 # "not used": sent with that value (or null) they are accepted, as SDKs and frameworks send
 # defaults; any other value is a 400 naming the field, never silently ignored.
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "min_p": (None, 0), "functions": (None, []), "function_call": (None, "none"),
+    "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "store": (None, False),
     "metadata": (None, {}), "service_tier": (None, "auto", "default"), "reasoning_effort": (None,),
     "web_search_options": (None,), "min_tokens": (None, 0), "use_beam_search": (None, False),
 }
 
 
-STREAMED_LOGPROBS = "field 'logprobs': not returned in a stream yet; ask without \"stream\": true for them"
+MAX_CHOICES = 16  # `n`: each choice is a row of the batch
 
 
 def _same(sent: Any, unused: Any) -> bool:
@@ -87,7 +90,11 @@ class SamplingFields(BaseModel):
     top_p: float | None = _strict(gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = _strict(ge=-1)  # vLLM's extension: -1 or 0 keeps every token
     repetition_penalty: float | None = _strict(gt=0, le=100, allow_inf_nan=False)  # vLLM's extension
-    n: int = _strict(1)
+    presence_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[int, float] | None = None  # token id (a JSON string of it) -> [-100, 100]
+    min_p: float | None = _strict(ge=0, le=1, allow_inf_nan=False)  # vLLM's extension
+    n: int = _strict(1, ge=1, le=MAX_CHOICES)
     stream: bool = _strict(False)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None  # (str never takes a number, strict or not)
@@ -106,12 +113,10 @@ class SamplingFields(BaseModel):
             body = {k: v for k, v in body.items() if k not in REFUSED_FIELDS}  # sent as "unused": nothing to do
         return body
 
-    @field_validator("n")
+    @field_validator("logit_bias", mode="plain")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported (run several requests for several choices)")
-        return n
+    def _bias_entries(cls, bias: Any) -> dict[int, float] | None:
+        return logit_bias_entries(bias)  # the ids' range is checked against the model's vocabulary later
 
     @field_validator("stop")
     @classmethod
@@ -126,6 +131,8 @@ class SamplingFields(BaseModel):
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "stop": self.stop, "ignore_eos": self.ignore_eos,
             "top_k": None if self.top_k is None else max(self.top_k, 0), "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias, "min_p": self.min_p,
         }
 
 
@@ -134,6 +141,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str]
     logprobs: int | None = _strict(ge=0, le=20)
     echo: bool = _strict(False)
+    response_format: ResponseFormat | None = None  # as for chat (server/tools.py)
 
     @field_validator("prompt")
     @classmethod
@@ -146,17 +154,11 @@ class CompletionRequest(SamplingFields):
             raise ValueError("a non-empty string is required")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
     @model_validator(mode="after")
-    def _no_streamed_logprobs(self) -> CompletionRequest:
-        if self.logprobs and self.stream:
-            raise ValueError(STREAMED_LOGPROBS)
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs:  # OpenAI would list the prompt's logprobs too
+            raise ValueError("field 'echo': not with \"logprobs\": this server does not compute the prompt "
+                             "tokens' log-probabilities; ask for logprobs without echo")
         return self
 
     def options(self) -> dict[str, Any]:
@@ -219,8 +221,12 @@ class ChatRequest(SamplingFields):
     def _top_logprobs_need_logprobs(self) -> ChatRequest:
         if self.top_logprobs and not self.logprobs:  # as OpenAI: not silently dropped
             raise ValueError("field 'top_logprobs': needs \"logprobs\": true")
-        if self.logprobs and self.stream:
-            raise ValueError(STREAMED_LOGPROBS)
+        return self
+
+    @model_validator(mode="after")
+    def _tools_make_one_choice(self) -> ChatRequest:
+        if self.n > 1 and (self.tools or (self.response_format and self.response_format.type != "text")):
+            raise ValueError("field 'n': tools and structured output make one choice; leave n out")
         return self
 
     def options(self) -> dict[str, Any]:
@@ -238,11 +244,17 @@ class TaskRequest(SamplingFields):
     prompt: str | None = None
     messages: list[Message] | None = None
     max_completion_tokens: int | None = _strict(ge=1)
+    response_format: ResponseFormat | None = None  # structured output and tools as for chat (server/tools.py)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
 
     @model_validator(mode="after")
     def _one_input(self) -> TaskRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if self.tools and self.messages is None:
+            raise ValueError("field 'tools': needs 'messages' (tools go to the model through its chat)")
         return self
 
     def options(self) -> dict[str, Any]:

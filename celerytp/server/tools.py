@@ -1,5 +1,5 @@
-"""Structured output and tool calls for the chat endpoint: `response_format`, `tools`,
-`tool_choice`, `parallel_tool_calls`.
+"""Structured output and tool calls: `response_format` (chat, completions, the Celery task),
+`tools`, `tool_choice`, `parallel_tool_calls` (chat and the Celery task with `messages`).
 
 A request's JSON schema becomes a grammar in its GenSpec (`{"json_schema": ...}`), which rank 0
 turns into a token mask with llguidance (worker/grammar.py). Tools reach the model through its
@@ -8,12 +8,15 @@ descriptions go in a system message, as vLLM does for such templates. A forced c
 (`tool_choice` "required" or a named function) is constrained to the functions' parameter
 schemas, so it always parses; with "auto" the model may answer in text or call a tool by writing
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which is parsed out of its text.
+
+The answer is read the same way whole or as it streams (ToolMode.scan): a call's `arguments` is
+the model's own text of its arguments object, so streamed argument pieces add up to it, and text
+whose meaning depends on what follows (a marker's first characters) is held back until decided.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +29,6 @@ TOOL_PROMPT = (
     '<tool_call>{{"name": <function name>, "arguments": <JSON object of its arguments>}}</tool_call>\n'
     "Functions:\n{tools}"
 )
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
@@ -39,34 +41,244 @@ def check_schema(schema: Any, field: str) -> None:
         raise bad_request(field, f"not a usable JSON schema: {problem[:300]}")
 
 
+MARKER = "<tool_call>"
+COMMITTED, UNDECIDED, REJECTED = "committed", "undecided", "rejected"
+
+
+@dataclass
+class Scan:
+    """What the model's text says so far: decided content, and the calls (name, arguments text so
+    far) it has committed to. As the text grows, both only grow: a stream sends the differences."""
+
+    content: str
+    calls: list[tuple[str, str]]
+
+
 @dataclass
 class ToolMode:
-    """How a chat request's answer becomes tool calls: `forced` None (auto), "required" or a name."""
+    """How a chat request's answer becomes tool calls: `forced` None (auto), "required" or a name.
+    A call's `arguments` is the model's own text of its arguments object, so a stream of its pieces
+    adds up to the non-streamed answer."""
 
     tools: list[dict[str, Any]]
     forced: str | None
     parallel: bool
 
+    def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """The message's `content` and OpenAI's `tool_calls` (None when it answered in text)."""
+        scan = self.scan(text, final=True)
+        if not scan.calls:
+            return text, None
+        return scan.content or None, [{"id": call_id(), "type": "function",
+                                        "function": {"name": name, "arguments": args}} for name, args in scan.calls]
+
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """OpenAI's `tool_calls` from the model's text, or None when it answered in text."""
+        return self.answer(text)[1]
+
+    def scan(self, text: str, final: bool) -> Scan:
+        """`text` so far read as content and calls; text whose meaning depends on what follows
+        (the start of a marker, a JSON answer not yet known to be a call) is held back unless `final`."""
         names = {tool["function"]["name"] for tool in self.tools}
-        found: list[tuple[str, Any]] = []
         if self.forced not in (None, "required"):
-            args = _loads(text)
-            found = [(self.forced, args)] if isinstance(args, dict) else []
+            return Scan("", [(self.forced, text)])  # the grammar makes the whole answer its arguments
+        start = _skip_space(text, 0)
+        if self.forced == "required" or text[start:start + 1] in ("{", "["):
+            calls, state = _calls_at(text, start, names, self.parallel)
+            if state == COMMITTED or (state == UNDECIDED and not final):
+                return Scan("", calls)
+            if self.forced == "required":
+                return Scan(text, [])
+            return self._scan_markers(text, start + 1, names, final)
+        if start == len(text) and not final:
+            return Scan("", [])  # only whitespace yet: it may precede a JSON call
+        return self._scan_markers(text, 0, names, final)
+
+    def _scan_markers(self, text: str, search: int, names: set[str], final: bool) -> Scan:
+        """Content up to the first `<tool_call>` block that names a known function, then the calls."""
+        end = len(text)
+        while (found := text.find(MARKER, search)) >= 0:
+            _, state, _ = _call(text, found + len(MARKER), names)
+            if state == COMMITTED:
+                return Scan(text[:found].rstrip(), self._marked_calls(text, found, names))
+            if state == UNDECIDED and not final:
+                end = found
+                break
+            search = found + len(MARKER)  # not a call: its text is content
         else:
-            items = _loads(text) if self.forced == "required" else None
-            if items is None:
-                items = [_loads(block) for block in _TOOL_CALL.findall(text)] or [_loads(text.strip())]
-            for item in items if isinstance(items, list) else [items]:
-                if isinstance(item, dict) and item.get("name") in names and isinstance(item.get("arguments"), dict):
-                    found.append((item["name"], item["arguments"]))
-        if not found:
-            return None
-        if not self.parallel:
-            found = found[:1]
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args)}} for name, args in found]
+            if not final:
+                end -= _marker_prefix(text)
+        content = text[:end]
+        return Scan(content if final else content.rstrip(), [])  # trailing space waits: it may precede a call
+
+    def _marked_calls(self, text: str, found: int, names: set[str]) -> list[tuple[str, str]]:
+        """Every committed `<tool_call>` block from the one at `found` (just that one unless parallel)."""
+        out: list[tuple[str, str]] = []
+        while found >= 0:
+            calls, state, end = _call(text, found + len(MARKER), names)
+            out += calls
+            if state == UNDECIDED or (calls and (end is None or not self.parallel)):
+                break
+            found = text.find(MARKER, end or found + len(MARKER))
+        return out
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def finish(reason: str, called: bool) -> str:
+    """A choice's finish_reason: "tool_calls" for an answer of calls that ended by itself (not cut
+    by max_tokens or cancelled)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+class CallStream:
+    """Chat chunk deltas of a streamed answer with tools, as OpenAI sends them: content as it is
+    decided, then per call a first delta `{index, id, type, function: {name, arguments: ""}}` and
+    argument pieces `{index, function: {arguments}}` after it."""
+
+    def __init__(self, mode: ToolMode):
+        self.mode = mode
+        self.text = ""
+        self.sent_content = ""
+        self.sent_args: list[str] = []
+
+    @property
+    def called(self) -> bool:
+        return bool(self.sent_args)
+
+    def feed(self, piece: str, final: bool = False) -> dict[str, Any]:
+        """The delta for the answer's next `piece` of text (`final`: the answer ended)."""
+        self.text += piece
+        scan = self.mode.scan(self.text, final)
+        delta: dict[str, Any] = {}
+        if len(scan.content) > len(self.sent_content):
+            delta["content"] = scan.content[len(self.sent_content):]
+            self.sent_content = scan.content
+        entries = []
+        for index, (name, args) in enumerate(scan.calls):
+            if index == len(self.sent_args):  # a new call: its first delta names it (all of it at the end)
+                self.sent_args.append(args if final else "")
+                entries.append({"index": index, "id": call_id(), "type": "function",
+                                "function": {"name": name, "arguments": self.sent_args[index]}})
+            elif len(args) > len(self.sent_args[index]):
+                entries.append({"index": index, "function": {"arguments": args[len(self.sent_args[index]):]}})
+                self.sent_args[index] = args
+        if entries:
+            delta["tool_calls"] = entries
+        return delta
+
+
+# ---- a JSON reader for calls that may still be arriving ------------------------------------
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _marker_prefix(text: str) -> int:
+    """How many characters at the end of `text` could begin a marker."""
+    return next((n for n in range(len(MARKER) - 1, 0, -1) if text.endswith(MARKER[:n])), 0)
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index after the JSON string starting at `text[i]` (a quote); None if it has not ended."""
+    i += 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The index after the JSON value starting at `text[i]`; None if it has not ended."""
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] not in "{[":
+        while i < len(text) and text[i] not in ",}] \t\r\n":
+            i += 1
+        return i if i < len(text) else None
+    depth = 0
+    while i < len(text):
+        if text[i] == '"':
+            end = _string_end(text, i)
+            if end is None:
+                return None
+            i = end
+            continue
+        depth += 1 if text[i] in "{[" else -1 if text[i] in "}]" else 0
+        i += 1
+        if depth == 0:
+            return i
+    return None
+
+
+def _call(text: str, i: int, names: set[str]) -> tuple[list[tuple[str, str]], str, int | None]:
+    """The call object `{"name": ..., "arguments": {...}}` at `text[i]` (after space): the call,
+    once its name is a known function and its arguments object has begun; whether it is one; the
+    index after it (None until it has ended)."""
+    i = _skip_space(text, i)
+    if i == len(text):
+        return [], UNDECIDED, None
+    if text[i] != "{":
+        return [], REJECTED, None
+    name, args = None, None
+    i = _skip_space(text, i + 1)
+    while i < len(text):  # one `"key": value` a round
+        if text[i] == "}":
+            return ([(name, args)], COMMITTED, i + 1) if name and args else ([], REJECTED, i + 1)
+        if text[i] == ",":
+            i = _skip_space(text, i + 1)
+            if i == len(text):
+                break
+        if text[i] != '"':
+            return [], REJECTED, None
+        key_end = _string_end(text, i)
+        colon = _skip_space(text, key_end or len(text))
+        value = _skip_space(text, colon + 1)
+        if value >= len(text):
+            break
+        if text[colon] != ":":
+            return [], REJECTED, None
+        end = _value_end(text, value)
+        key = _loads(text[i:key_end])
+        if key == "arguments":
+            if text[value] != "{":
+                return [], REJECTED, None
+            args = text[value:end or len(text)]
+        elif key == "name" and end is not None:
+            name = _loads(text[value:end])
+            if not isinstance(name, str) or name not in names:
+                return [], REJECTED, None
+        if end is None:
+            break
+        i = _skip_space(text, end)
+    return ([(name, args)], COMMITTED, None) if name and args else ([], UNDECIDED, None)
+
+
+def _calls_at(text: str, i: int, names: set[str], parallel: bool) -> tuple[list[tuple[str, str]], str]:
+    """The call object, or JSON list of call objects, at `text[i]`, and whether it is calls."""
+    if text[i:i + 1] != "[":
+        calls, state, _ = _call(text, i, names)
+        return calls, state
+    out: list[tuple[str, str]] = []
+    while True:
+        calls, state, end = _call(text, i + 1, names)
+        if state == REJECTED:
+            return (out, COMMITTED) if out else ([], REJECTED)
+        out += calls
+        if end is None or not parallel:
+            break
+        i = _skip_space(text, end)
+        if text[i:i + 1] != ",":
+            break
+    return out, COMMITTED if out else UNDECIDED
 
 
 def _loads(text: str) -> Any:

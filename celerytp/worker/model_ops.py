@@ -16,7 +16,7 @@ from celerytp.core.model_files import default_model_path
 from celerytp.core.registry import LOAD_FIELDS, model_record
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.tokenizer import Tokenizer, load_tokenizer
-from celerytp.core.validation import bad_request, check_tokens, sampling_params
+from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, refuse_step_penalties, sampling_params
 from celerytp.models import load_model
 from celerytp.models.half_precision import check_half_precision
 from celerytp.quant.plan import quant_summary
@@ -184,7 +184,10 @@ def _check_step(entry: LoadedModel, request: p.StepRequest) -> SamplingParams:
         request.tokens, max_context=model.max_context, vocab_size=model.config.vocab_size, field="tokens",
         offset=request.offset,
     )
-    return sampling_params(request.sampling)
+    params = sampling_params(request.sampling)
+    check_logit_bias(params, model.config.vocab_size)
+    refuse_step_penalties(params)
+    return params
 
 
 def step(state: RankState, request: p.StepRequest) -> p.StepResult:

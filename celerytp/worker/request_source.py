@@ -251,10 +251,10 @@ class RedisRequestSource:
         in-flight list: a rank 0 that dies between them leaves an answered request, which the next
         taker drops (`take`)."""
         pipe = self._redis.pipeline(transaction=False)
-        for spec, token, index in events.tokens:
-            pipe.xadd(stream_key(spec.request_id), StreamRecord.of_token(token, index).to_fields())
+        for spec, token, index, logprob in events.tokens:
+            pipe.xadd(stream_key(spec.request_id), StreamRecord.of_token(token, index, logprob).to_fields())
         now = time.monotonic()
-        for request_id in {spec.request_id for spec, _, _ in events.tokens}:
+        for request_id in {spec.request_id for spec, *_ in events.tokens}:
             if now - self._ttl_set.get(request_id, float("-inf")) > STREAM_TTL_S / 2:
                 pipe.expire(stream_key(request_id), STREAM_TTL_S)
                 self._ttl_set[request_id] = now

@@ -1,10 +1,12 @@
 """Next-token sampling for a batch of rows in one pass (rank 0), each row with its own
 parameters and seeded generator.
 
-Greedy rows take the argmax. The others: repetition penalty from a per-row presence mask,
-temperature, top-k and top-p over a sorted candidate list, then one inverse-CDF draw from a
-uniform number of the row's own generator, so a seeded request samples the same tokens
-whatever else shares its batch. Top-p needs the vocabulary sorted only as far as its nucleus:
+First the logits are reshaped (vLLM's order): logit_bias added, the repetition penalty from a
+per-row presence mask, the presence and frequency penalties from per-row counts of the tokens
+this completion generated. Greedy rows then take the argmax. The others: temperature, min_p,
+top-k and top-p over a sorted candidate list, then one inverse-CDF draw from a uniform number of
+the row's own generator, so a seeded request samples the same tokens whatever else shares its
+batch. Top-p needs the vocabulary sorted only as far as its nucleus:
 candidates come from a top-k prefilter, and a row falls back to a full sort only when the
 prefilter's mass does not reach its top_p.
 """
@@ -36,20 +38,28 @@ class RowSampler:
     Args:
         params: the request's sampling parameters.
         vocab_size: logits width.
-        history: tokens already seen (the prompt), for the repetition penalty.
+        history: tokens already seen (the prompt and any tokens generated before), for the
+            repetition penalty.
+        generated: the tokens of `history` this completion generated (a resumed request's earlier
+            ones), for the presence and frequency penalties.
     """
 
     params: SamplingParams
     generator: torch.Generator | None
-    presence: torch.Tensor | None  # (V,) bool; None when the penalty is off
+    presence: torch.Tensor | None  # (V,) bool; None when the repetition penalty is off
+    counts: torch.Tensor | None = None  # (V,) times generated; None without presence/frequency penalty
 
     @classmethod
-    def create(cls, params: SamplingParams, vocab_size: int, history: list[int] = ()) -> RowSampler:
-        presence = None
+    def create(cls, params: SamplingParams, vocab_size: int, history: list[int] = (),
+               generated: list[int] = ()) -> RowSampler:
+        presence = counts = None
         if params.repetition_penalty != 1.0:
             presence = torch.zeros(vocab_size, dtype=torch.bool)
             presence[torch.tensor(list(history), dtype=torch.long)] = True
-        return cls(params, make_generator(params.seed), presence)
+        if params.penalizes_generated:
+            counts = torch.zeros(vocab_size).index_add_(
+                0, torch.tensor(list(generated), dtype=torch.long), torch.ones(len(generated)))
+        return cls(params, make_generator(params.seed), presence, counts)
 
     def skip(self, draws: int) -> None:
         """Advance the generator past `draws` tokens sampled earlier (one uniform draw each, as in
@@ -59,21 +69,50 @@ class RowSampler:
                 torch.rand(1, generator=self.generator)
 
     def saw(self, token: int) -> None:
+        """`token` was generated (or, in step mode, fed): it counts for the penalties."""
         if self.presence is not None:
             self.presence[token] = True
+        if self.counts is not None:
+            self.counts[token] += 1
+
+    def reshape(self, logits: torch.Tensor) -> None:
+        """This row's logit_bias, penalties and min_p applied to its raw logits (V,), in place."""
+        p = self.params
+        if p.logit_bias is not None:
+            logits[torch.tensor(list(p.logit_bias))] += torch.tensor(list(p.logit_bias.values()))
+        if self.presence is not None:
+            seen = logits[self.presence]
+            logits[self.presence] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if self.counts is not None:
+            logits -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0)
+        if p.min_p > 0 and not p.greedy:  # the cut after temperature, as the draw sees the logits
+            probs = torch.softmax(logits / max(p.temperature, 1e-5), -1)
+            logits.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
 
 
 def sample_rows(logits: torch.Tensor, rows: list[RowSampler]) -> list[int]:
     """Pick the next token of each row from (B, V) logits; temperature 0 is argmax."""
-    logits = apply_repetition_penalty(logits.float().cpu(), rows)
+    logits = reshaped_logits(logits.float().cpu(), rows)
     return _draw(logits, logits.argmax(-1), None, rows)
+
+
+def reshaped_logits(logits: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
+    """(B, V) logits as each row's draw sees them (RowSampler.reshape); the input is left as it is,
+    so log-probabilities stay the model's own."""
+    reshaping = [i for i, row in enumerate(rows) if row.params.reshapes_logits]
+    if not reshaping:
+        return logits
+    logits = logits.clone()
+    for i in reshaping:
+        rows[i].reshape(logits[i])
+    return logits
 
 
 def sample_candidates(values: torch.Tensor, ids: torch.Tensor, rows: list[RowSampler]) -> list[int]:
     """Pick the next token of each row from its most likely tokens (B, K), largest first
     (ParallelLMHead.top_candidates). Greedy rows take the first; every other row must have a
-    top_k in 1..K and no repetition penalty (`slice_mode` CANDIDATES), so it draws exactly what
-    sample_rows would from the whole logits, with the same uniform draw."""
+    top_k in 1..K and nothing that reshapes its logits (`slice_mode` CANDIDATES), so it draws
+    exactly what sample_rows would from the whole logits, with the same uniform draw."""
     values, ids = values.float().cpu(), ids.cpu()
     return _draw(values, ids[:, 0].clone(), ids, rows)
 
@@ -81,13 +120,14 @@ def sample_candidates(values: torch.Tensor, ids: torch.Tensor, rows: list[RowSam
 # How the serving loop samples a row from the ranks' vocabulary slices (worker/serving.py `_scores`).
 CANDIDATES = "candidates"  # from the top candidates the ranks send: greedy, top_k <= 1024
 SLICE_DRAW = "slice_draw"  # each rank draws in its slice, rank 0 picks a slice: the whole vocabulary
-WHOLE = "whole"  # the whole logits gathered: top_p alone, top_k > 1024, a penalty, a replayed token's logprob
+# the whole logits gathered: top_p alone, top_k > 1024, a penalty, bias or min_p, a replayed token's logprob
+WHOLE = "whole"
 
 
 def slice_mode(params: SamplingParams, replayed: bool = False) -> str:
     """How a row is sampled from vocabulary slices; `replayed`: its token this step is one it
     decoded before (resumed), whose log-probability may be asked for."""
-    if params.repetition_penalty != 1.0 or (replayed and params.logprobs > 0):
+    if params.reshapes_logits or (replayed and params.logprobs > 0):  # greedy too: its argmax may move
         return WHOLE
     if params.greedy or 0 < params.top_k <= TOP_P_PREFILTER:
         return CANDIDATES
@@ -162,19 +202,6 @@ def _draw(scores: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None, 
         chosen = columns.gather(1, pick)  # (S, 1)
         tokens[drawn] = (chosen if ids is None else ids[drawn].gather(1, chosen))[:, 0]
     return tokens.tolist()
-
-
-def apply_repetition_penalty(logits: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
-    """Seen tokens become less likely: positive logits / penalty, negative * penalty (CTRL)."""
-    penalized = [i for i, row in enumerate(rows) if row.presence is not None]
-    if not penalized:
-        return logits
-    seen = torch.stack([rows[i].presence for i in penalized])  # (P, V)
-    penalty = torch.tensor([rows[i].params.repetition_penalty for i in penalized])[:, None]  # (P, 1)
-    part = logits[penalized]
-    logits = logits.clone()
-    logits[penalized] = torch.where(seen, torch.where(part > 0, part / penalty, part * penalty), part)
-    return logits
 
 
 def candidate_probs(

@@ -26,7 +26,7 @@ from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.step_clock import per_step_us, reset, timed
 from celerytp.core.stopping import StopChecker
-from celerytp.core.validation import bad_request, check_tokens, sampling_params
+from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, sampling_params
 from celerytp.distributed.control import ControlGroup
 from celerytp.models import CausalLM
 from celerytp.worker.grammar import RowGrammar
@@ -94,7 +94,8 @@ class Finished:
 class Events:
     """What rank 0 tells requesters after a step: streamed tokens and finished requests."""
 
-    tokens: list[tuple[GenSpec, int, int]] = field(default_factory=list)  # (request, token, its index)
+    # (request, token, its index, its logprobs when the request asked for them)
+    tokens: list[tuple[GenSpec, int, int, tuple | None]] = field(default_factory=list)
     finished: list[tuple[GenSpec, Finished]] = field(default_factory=list)
 
 
@@ -287,17 +288,25 @@ class ServingLoop:
             except CeleryTPError as exc:  # answered at once; the loop goes on
                 self._events.finished.append((spec, Finished(error=exc)))
                 continue
-            row, reused = max(((r, self.model.reusable_prefix(self.row_tokens.get(r, []), spec.prompt)) for r in free),
+            row, reused = max(((r, self._reusable(spec, r)) for r in free),
                               key=lambda choice: (choice[1], -choice[0]))  # longest reuse, then the lowest row
             free.remove(row)
             plan.admissions.append((spec, row, reused))
             self._admitting.append(spec)
 
+    def _reusable(self, spec: GenSpec, row: int) -> int:
+        """Prompt tokens of `spec` that `row` holds already; none for a seeded request: reused, its
+        prompt would be computed in another order than cold, and its logits, so its draws, would
+        differ in their last bits (docs/serving.md, "Reproducible sampling")."""
+        if _seeded(spec):
+            return 0
+        return self.model.reusable_prefix(self.row_tokens.get(row, []), spec.prompt)
+
     def _check(self, spec: GenSpec) -> None:
         """What a rank must refuse before a request enters a row (the leader checked it too)."""
         check_tokens([*spec.prompt, *spec.resumed], max_context=self.model.max_context,
                      vocab_size=self.model.config.vocab_size, field="prompt")
-        sampling_params(spec.sampling)
+        check_logit_bias(sampling_params(spec.sampling), self.model.config.vocab_size)
         if spec.stop and self.decode is None:
             raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
         if spec.grammar is not None:  # compiled here, where a bad one is answered alone, and fed what it resumes
@@ -357,7 +366,8 @@ class ServingLoop:
 
     def _start(self, seq: Sequence) -> None:
         spec = seq.spec
-        seq.sampler = RowSampler.create(seq.params, self.model.config.vocab_size, [*spec.prompt, *spec.resumed])
+        seq.sampler = RowSampler.create(seq.params, self.model.config.vocab_size, [*spec.prompt, *spec.resumed],
+                                        spec.resumed)  # its earlier tokens count for the penalties
         seq.sampler.skip(len(spec.resumed))  # a resumed seeded request draws on where it left off
         seq.checker = StopChecker(
             set(spec.eos_token_ids), spec.max_tokens, len(spec.prompt), self.model.max_context, spec.stop, self.decode
@@ -391,7 +401,11 @@ class ServingLoop:
     def _prefill(self, waiting: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
         out = []
         budget = self.prefill_budget
-        fresh = [s for s in waiting if s.fed == 0]
+        # A seeded row prefills alone, in whole chunks of the budget (`_reusable`): it goes first,
+        # and no batch of new prompts takes the budget while one waits, so it is never starved.
+        seeded = [s for s in waiting if _seeded(s.spec)]
+        waiting = seeded + [s for s in waiting if not _seeded(s.spec)]
+        fresh = [] if seeded else [s for s in waiting if s.fed == 0]
         if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.spec.prompt) for s in fresh) <= budget:
             # Short new prompts: one padded forward reads the weights once for all of them.
             logits = self.model.prefill_rows([s.spec.prompt for s in fresh], [s.row for s in fresh], gather=False)
@@ -404,6 +418,8 @@ class ServingLoop:
             if budget <= 0:
                 break
             end = min(len(seq.spec.prompt), seq.fed + budget)
+            if _seeded(seq.spec) and end < min(len(seq.spec.prompt), seq.fed + self.prefill_budget):
+                continue  # another seeded row took part of the budget: a whole chunk in a later step
             piece = torch.tensor(seq.spec.prompt[seq.fed : end], dtype=torch.long)
             logits = self.model.forward_tokens(piece, seq.fed, last_only=True, row=seq.row, gather=False)
             budget -= end - seq.fed
@@ -439,8 +455,9 @@ class ServingLoop:
             return Scores(seqs, forced, logits=logits.cpu(), slice_draws=_cpu(draws), drawing=drawing)
         # a greedy row's top_k is moot: only sampling rows and logprobs widen the candidates
         k = max(1, *(s.params.top_k for s in seqs if not s.params.greedy), *(s.params.logprobs for s in seqs))
-        values, ids, lse, draws = self.model.top_candidates(local, k, extra)
-        return Scores(seqs, forced, values=values.cpu(), ids=ids.cpu(), lse=lse.cpu(), slice_draws=_cpu(draws),
+        # the log-sum-exp serves log-probabilities only (and costs an exp of every logit)
+        values, ids, lse, draws = self.model.top_candidates(local, k, extra, lse=any(s.params.logprobs for s in seqs))
+        return Scores(seqs, forced, values=values.cpu(), ids=ids.cpu(), lse=_cpu(lse), slice_draws=_cpu(draws),
                       drawing=drawing)
 
     def _slice_draws(self, seqs: list[Sequence], local: torch.Tensor, drawing: list[int]) -> torch.Tensor:
@@ -479,7 +496,8 @@ class ServingLoop:
             ended = seq.grammar is not None and seq.grammar.advance([token])
             reason = seq.checker.after(token) or ("stop" if ended else None)
             if seq.spec.stream and token not in seq.checker.eos_ids:
-                self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1))
+                logprob = seq.logprobs[-1] if seq.logprobs else None
+                self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1, logprob))
             if reason is None:
                 self._news[seq.row] = (FEED, token)
             else:
@@ -528,6 +546,11 @@ def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.cpu()
 
 
+def _seeded(spec: GenSpec) -> bool:
+    """A request with a seed: computed alike whether or not its prompt is cached (`_reusable`)."""
+    return (spec.sampling or {}).get("seed") is not None
+
+
 def _done_rows(plan: Plan) -> list[int]:
     return [row for row, (kind, _) in enumerate(plan.news) if kind == DONE]
 
@@ -549,7 +572,7 @@ class ListSource:
         return bool(self.queue)
 
     def publish(self, events: Events, running: list[str], stats: dict[str, int]) -> set[str]:
-        for spec, token, _ in events.tokens:
+        for spec, token, *_ in events.tokens:
             self.tokens.setdefault(spec.request_id, []).append(token)
         self.results.update((spec.request_id, finished) for spec, finished in events.finished)
         return set()
