@@ -89,7 +89,8 @@ def test_unused_values_of_unsupported_fields_are_accepted(client):
     ({"n": 0}, "n", "greater than or equal to 1"),
     ({"n": 17}, "n", "less than or equal to 16"),
     ({"n": "2"}, "n", "integer"),
-    ({"echo": True, "logprobs": 2}, "echo", "prompt tokens' log-probabilities"),
+    ({"echo": True, "logprobs": 2, "stream": True}, "echo", "in a stream"),
+    ({"echo": True, "logprobs": 21}, "logprobs", "less than or equal to 20"),
 ])
 def test_unsupported_or_mistyped_fields_are_refused_by_name(client, served, extra, field, says):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -326,3 +327,27 @@ def test_a_seeded_request_gives_the_same_answer_whether_or_not_its_prompt_is_cac
     assert len({reply.message.content for reply in replies}) == 1, [reply.message.content for reply in replies]
     logprobs = [[entry.logprob for entry in reply.logprobs.content] for reply in replies]
     assert logprobs[1] == logprobs[0] and logprobs[2] == logprobs[0]
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(client):
+    """lm-eval-harness's loglikelihood request: the prompt's tokens come first in the legacy shape
+    (the first without a log-probability), and a prompt token's log-probability is the one the
+    same token gets when generated after the prompt before it (the int4 kernels round a cold
+    prompt and a decode step differently: close, not equal)."""
+    prompt = "The capital of France is"
+    prompt_ids = load_tokenizer(default_model_path()).encode(prompt)
+    reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0)
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    assert choice.text.startswith(prompt) and len(logprobs.tokens) == len(prompt_ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:]) and all(logprobs.top_logprobs[1:])
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+    plain = client.completions.create(model=MODEL, prompt=prompt, logprobs=1, max_tokens=1, temperature=0)
+    generated, generated_logprob = plain.choices[0].logprobs.tokens[0], plain.choices[0].logprobs.token_logprobs[0]
+    echoed = client.completions.create(model=MODEL, prompt=prompt + generated, echo=True, logprobs=1, max_tokens=1,
+                                       temperature=0).choices[0].logprobs
+    assert echoed.tokens[len(prompt_ids)] == generated  # precondition: the prompt tokenizes as before
+    assert abs(echoed.token_logprobs[len(prompt_ids)] - generated_logprob) < 0.15

@@ -60,8 +60,8 @@ def test_bodies_are_checked_with_the_field_named():
     for n in (0, 17, "2", 2.0, True):
         assert refused(ChatRequest, {**hi, "n": n}).startswith("field 'n'"), n
     assert refused(ChatRequest, {**hi, "n": 2, "response_format": {"type": "json_object"}}).startswith("field 'n'")
-    assert refused(CompletionRequest, {"model": "m", "prompt": "a", "echo": True, "logprobs": 1}).startswith(
-        "field 'echo': not with \"logprobs\"")
+    assert refused(CompletionRequest, {"model": "m", "prompt": "a", "echo": True, "logprobs": 1, "stream": True}
+                   ).startswith("field 'echo': not with \"logprobs\" in a stream")
 
 
 def test_options_map_openai_names_to_the_leader():
@@ -72,6 +72,9 @@ def test_options_map_openai_names_to_the_leader():
     assert options["max_tokens"] == 7 and options["logprobs"] == 3
     assert options["top_k"] == 0 and options["repetition_penalty"] == 1.2 and options["presence_penalty"] == 0
     assert options["messages"] == [{"role": "system", "content": "be brief"}]
+    text = {"model": "m", "prompt": "a", "logprobs": 2}
+    assert parse(CompletionRequest, {**text, "echo": True}).options()["prompt_logprobs"] == 2  # the prompt's too
+    assert parse(CompletionRequest, text).options()["prompt_logprobs"] is None
 
 
 def test_url_passwords_are_masked():

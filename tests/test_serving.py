@@ -194,3 +194,71 @@ def test_no_request_is_stranded_around_the_idle_window(tp2):
         t.join(120)
     assert results == {f"s{n}-{i}": 2 for n in range(4) for i in range(8)}
     assert json.loads(json.dumps(tp2.serving_stats("smol")))["queued"] == 0
+
+
+PROMPT_LOGPROBS_RANK = """
+import json, sys
+import torch
+import torch.distributed as dist
+from celerytp.core.protocol import GenSpec
+from celerytp.distributed.control import ControlGroup
+from celerytp.distributed.tp import TPContext
+from celerytp.models import load_model
+from celerytp.worker.serving import ListSource, ServingLoop
+
+rank, world, init, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
+model = load_model(path, TPContext(rank, world), max_batch=4)
+asks = json.loads(sys.argv[6])  # [[prompt, prompt_logprobs], ...]
+specs = [GenSpec(request_id=f"r{i}", prompt=prompt, max_tokens=1, prompt_logprobs=n)
+         for i, (prompt, n) in enumerate(asks)]
+specs.append(GenSpec(request_id="plain", prompt=asks[0][0][:5], max_tokens=1))  # beside them, batched
+source = ListSource(specs) if rank == 0 else None
+ServingLoop(model, ControlGroup.on_default_group(rank, world), {}, 8, 0.0, source).run()
+if rank == 0:
+    json.dump({rid: f.result.prompt_logprobs for rid, f in source.results.items()}, open(out, "w"))
+dist.barrier()
+dist.destroy_process_group()  # gloo left to the interpreter's exit can abort the process
+"""
+
+
+def _serve_prompt_logprobs(tmp_path, path, world: int, asks: list) -> dict:
+    """The prompt logprobs of `asks` through the bare serving loop on `world` ranks (prefill budget 8)."""
+    init, out = tmp_path / f"init{world}", tmp_path / f"out{world}.json"
+    ranks = [subprocess.Popen([sys.executable, "-c", PROMPT_LOGPROBS_RANK, str(r), str(world), str(init), str(path),
+                               str(out), json.dumps(asks)], stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for r, rank in enumerate(ranks):
+        _, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0, (r, err[-3000:])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prompt_logprobs_match_transformers(tmp_path, world):
+    """Every prompt position's log-probability of the next prompt token and its top alternatives,
+    from the ranks' vocabulary slices (161 tokens: uneven at TP=2), as transformers' log_softmax
+    gives them, for a prompt chunked over three prefill steps and a short one beside it."""
+    import torch
+    from model_fixtures import COMMON, make_prompt, randomize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **{**COMMON, "vocab_size": 161}, hidden_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=96)
+    torch.manual_seed(0)
+    model = randomize(AutoModelForCausalLM.from_config(config).eval())
+    model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    asks = [[make_prompt(161, 20, seed=1), 3], [make_prompt(161, 6, seed=2), 0]]
+    served = _serve_prompt_logprobs(tmp_path, tmp_path / "tiny", world, asks)
+    assert served["plain"] is None
+    for i, (prompt, n) in enumerate(asks):
+        with torch.no_grad():
+            reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)  # (T, V)
+        entries = served[f"r{i}"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for position, (logprob, top) in enumerate(entries[1:]):
+            expected = reference[position]
+            assert abs(logprob - float(expected[prompt[position + 1]])) < 1e-4, (i, position)
+            values, ids = expected.topk(n)
+            assert [token for token, _ in top] == ids.tolist(), (i, position)
+            assert torch.allclose(torch.tensor([lp for _, lp in top]), values, atol=1e-4), (i, position)

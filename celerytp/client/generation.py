@@ -57,6 +57,9 @@ class GenerationResult:
     queued_s: float = 0.0  # waiting for a free row (fused)
     reused_tokens: int = 0  # prompt tokens found already cached (prefix reuse)
     logprobs: list | None = None  # per token: [logprob, [[id, logprob], ...]] when asked for
+    # when asked for (`prompt_logprobs`): the prompt's ids and, per prompt token, the same entries (None first)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
     token_gaps_s: list[float] = field(default_factory=list)  # between sampled tokens (fused; for metrics)
     resumed: bool = False  # resumed after a group failed under it
 
@@ -114,6 +117,7 @@ def prepare(
     min_p: float | None = None,
     seed: int | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     stop: list[str] | str | None = None,
     request_id: str | None = None,
     stream: bool = False,
@@ -126,7 +130,8 @@ def prepare(
     Bad arguments raise CeleryTPError(bad_request) naming the field, checked as the ranks
     check them. `ignore_eos` generates on past EOS to max_tokens (benchmarks, like vLLM's option).
     `grammar` constrains the output (structured output, worker/grammar.py); `tools` go to a chat
-    template that renders them (server/tools.py decides).
+    template that renders them (server/tools.py decides). `prompt_logprobs` (0..20 alternatives)
+    asks for the prompt tokens' log-probabilities too.
     """
     started = time.perf_counter()
     tokenizer = load_tokenizer(record["path"])
@@ -146,6 +151,8 @@ def prepare(
     }
     if grammar is not None:
         spec["grammar"] = grammar
+    if prompt_logprobs is not None:
+        spec["prompt_logprobs"] = prompt_logprobs
     check_spec(record, spec)
     room = record["max_context"] - len(ids)
     if max_tokens is not None and max_tokens > room:  # asked for: refused, not clamped (as vLLM)
@@ -168,6 +175,8 @@ def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
         request_id=row.request_id, ttft_s=row.ttft_s, decode_s=row.decode_s,
         total_s=time.perf_counter() - prepared.started, mode=mode, queued_s=row.queued_s,
         reused_tokens=row.reused_tokens, logprobs=row.logprobs, token_gaps_s=row.token_gaps_s, resumed=row.resumed,
+        prompt_token_ids=None if row.prompt_logprobs is None else prepared.spec["prompt"],
+        prompt_logprobs=row.prompt_logprobs,
     )
 
 

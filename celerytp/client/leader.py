@@ -237,7 +237,9 @@ class Leader:
         """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
 
         Options: max_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty,
-        frequency_penalty, logit_bias ({token id: bias}), min_p, seed, logprobs, stop, request_id
+        frequency_penalty, logit_bias ({token id: bias}), min_p, seed, logprobs, prompt_logprobs
+        (the prompt tokens' log-probabilities with this many alternatives each, fused mode only:
+        `result.prompt_logprobs`), stop, request_id
         (to cancel it), ignore_eos (run to max_tokens, for benchmarks). Unset sampling options
         come from generation_config.json. `mode="fused"` queues the request for the model's
         serving loop, where it joins whatever else is running; `mode="step"` drives one step
@@ -247,6 +249,8 @@ class Leader:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'mode': one of {MODES} is required, got {mode!r}")
         record = self._record(model_id)
         prepared = prepare(record, prompt=prompt, messages=messages, **options)
+        if mode == "step" and "prompt_logprobs" in prepared.spec:
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'prompt_logprobs': fused mode only")
         if mode == "step":
             row = run_steps(partial(self.step, model_id), prepared, record["max_context"])
         else:

@@ -111,6 +111,9 @@ class GenSpec(Message):
     # Structured output (worker/grammar.py): {"json_schema": {...}} or {"lark": "..."}; rank 0
     # masks the row's logits to what the grammar allows. None: unconstrained.
     grammar: dict[str, Any] | None = None
+    # The prompt tokens' log-probabilities, with this many alternatives per position (0..20);
+    # None: not asked. Such a row is prefilled alone and cold (worker/serving.py `_prompt_scores`).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 LoopId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -204,7 +207,8 @@ class RowResult(BaseModel):
 
     `ttft_s` runs from submission (queue time included) to the first token; `reused_tokens`
     are prompt tokens found already in the cache row (prefix reuse); `logprobs` holds, per
-    token, [logprob, [[id, logprob], ...]] when the request asked for logprobs.
+    token, [logprob, [[id, logprob], ...]] when the request asked for logprobs; `prompt_logprobs`
+    the same per prompt position when the request asked for them (None for the first token).
     """
 
     request_id: str
@@ -217,6 +221,7 @@ class RowResult(BaseModel):
     queued_s: float = 0.0
     reused_tokens: int = 0
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     # rank 0's time between consecutive sampled tokens (s, rounded to 0.1 ms), for the inter-token
     # latency histogram; and whether the request resumed after a group failed under it
     token_gaps_s: list[float] = []

@@ -38,7 +38,7 @@ from celerytp.server.errors import (
     problem_response,
     validation_response,
 )
-from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs, text_length
+from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs, echoed_logprobs, text_length
 from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, StreamOptions, parse
 from celerytp.server.service import Service
 
@@ -528,9 +528,10 @@ class Shape:
         else:
             choice = {"index": index, "text": self.echo + result.text}
         logprobs = None
-        if self.decode is not None:
-            shape = chat_logprobs if self.chat else completion_logprobs
-            logprobs = shape(result, self.decode, self.top_n)
+        if self.decode is not None and self.chat:
+            logprobs = chat_logprobs(result, self.decode, self.top_n)
+        elif self.decode is not None:
+            logprobs = echoed_logprobs(result, self.decode, self.top_n, self.echo)
         choice.update(logprobs=logprobs, finish_reason=finish_reason(result))
         content, calls = self.tools.answer(result.text) if self.chat and self.tools is not None else (None, None)
         if calls:

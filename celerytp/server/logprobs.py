@@ -17,6 +17,11 @@ class Tokens(Protocol):
     logprobs: list | None  # per token: [logprob, [[id, logprob], ...]]
 
 
+class EchoedTokens(Tokens, Protocol):
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: list | None  # per prompt token: None first, then as `logprobs`
+
+
 def _entry(decode: Decode, token_id: int, logprob: float) -> dict:
     text = decode([token_id])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -39,11 +44,28 @@ def completion_logprobs(tokens: Tokens, decode: Decode, top_n: int, offset: int 
     if tokens.logprobs is None:
         return None
     pairs = list(zip(tokens.token_ids, tokens.logprobs, strict=False))
-    texts = [decode([token_id]) for token_id, _ in pairs]
+    return _legacy([token_id for token_id, _ in pairs], [entry for _, entry in pairs], decode, top_n, offset)
+
+
+def echoed_logprobs(result: EchoedTokens, decode: Decode, top_n: int, prompt_text: str) -> dict | None:
+    """`choices[i].logprobs` of a text completion with `echo`: the prompt's tokens first (the first
+    one has no log-probability: None), then the completion's, offset past the echoed prompt text."""
+    completion = completion_logprobs(result, decode, top_n, len(prompt_text))
+    if completion is None or result.prompt_logprobs is None:
+        return completion
+    prompt = _legacy(result.prompt_token_ids, result.prompt_logprobs, decode, top_n, 0)
+    return {key: prompt[key] + completion[key] for key in prompt}
+
+
+def _legacy(ids: list[int], entries: list, decode: Decode, top_n: int, offset: int) -> dict:
+    """The parallel lists of tokens `ids` and their [logprob, top] entries (None: no logprob)."""
+    texts = [decode([token_id]) for token_id in ids]
     offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     return {
-        "tokens": texts, "token_logprobs": [logprob for _, (logprob, _) in pairs],
-        "top_logprobs": [{decode([i]): lp for i, lp in top[:top_n]} for _, (_, top) in pairs], "text_offset": offsets,
+        "tokens": texts, "token_logprobs": [None if entry is None else entry[0] for entry in entries],
+        "top_logprobs": [None if entry is None else {decode([i]): lp for i, lp in entry[1][:top_n]}
+                         for entry in entries],
+        "text_offset": offsets,
     }
 
 

@@ -155,14 +155,17 @@ class CompletionRequest(SamplingFields):
         return prompt
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs:  # OpenAI would list the prompt's logprobs too
-            raise ValueError("field 'echo': not with \"logprobs\": this server does not compute the prompt "
-                             "tokens' log-probabilities; ask for logprobs without echo")
+    def _echo_logprobs_not_streamed(self) -> CompletionRequest:
+        if self.stream and self.echo and self.logprobs:  # the prompt's entries come with the result only
+            raise ValueError("field 'echo': not with \"logprobs\" in a stream (the prompt tokens' "
+                             "log-probabilities are listed by the non-streamed response)")
         return self
 
     def options(self) -> dict[str, Any]:
-        return {**super().options(), "prompt": self.prompt, "logprobs": self.logprobs or None}
+        # echoed with logprobs, the prompt's tokens are listed too (OpenAI, vLLM)
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs else None
+        return {**super().options(), "prompt": self.prompt, "logprobs": self.logprobs or None,
+                "prompt_logprobs": prompt_logprobs}
 
 
 # ---- structured output and tools (server/tools.py) ---------------------------------------

@@ -48,6 +48,9 @@ from celerytp.worker.sampling import (
 STEP, EXIT, ABORT = 0, 1, 2
 NO_NEWS, FEED, DONE = 0, 1, 2
 _HEADER = 2  # [command, payload bytes]
+# A row asking for its prompt's log-probabilities keeps each prefill piece's logits whole, (T,
+# V_local) floats: its pieces are at most this long, whatever the prefill budget.
+PROMPT_LOGPROBS_PIECE = 512
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Sequence:
     last_token_at: float = 0.0
     gaps: list[float] = field(default_factory=list)  # s between sampled tokens (the inter-token latency metric)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None  # None first (no context)
     grammar: RowGrammar | None = None  # structured output: the mask of its next token (worker/grammar.py)
 
     @property
@@ -297,8 +301,9 @@ class ServingLoop:
     def _reusable(self, spec: GenSpec, row: int) -> int:
         """Prompt tokens of `spec` that `row` holds already; none for a seeded request: reused, its
         prompt would be computed in another order than cold, and its logits, so its draws, would
-        differ in their last bits (docs/serving.md, "Reproducible sampling")."""
-        if _seeded(spec):
+        differ in their last bits (docs/serving.md, "Reproducible sampling"); none for a request
+        asking for its prompt's log-probabilities either: every position's logits must be computed."""
+        if _seeded(spec) or spec.prompt_logprobs is not None:
             return 0
         return self.model.reusable_prefix(self.row_tokens.get(row, []), spec.prompt)
 
@@ -376,6 +381,7 @@ class ServingLoop:
         seq.admitted_at = time.perf_counter()
         seq.queued_s = max(0.0, time.time() - spec.submitted_at) if spec.submitted_at else 0.0
         seq.logprobs = [] if seq.sampler.params.logprobs else None
+        seq.prompt_logprobs = None if spec.prompt_logprobs is None else [None]
         seq.grammar = self._grammars.pop(spec.request_id, None)
 
     # ---- every rank: the forwards --------------------------------------------------------
@@ -405,7 +411,8 @@ class ServingLoop:
         # and no batch of new prompts takes the budget while one waits, so it is never starved.
         seeded = [s for s in waiting if _seeded(s.spec)]
         waiting = seeded + [s for s in waiting if not _seeded(s.spec)]
-        fresh = [] if seeded else [s for s in waiting if s.fed == 0]
+        # a row that asks for its prompt's log-probabilities needs every position's logits
+        fresh = [] if seeded else [s for s in waiting if s.fed == 0 and s.spec.prompt_logprobs is None]
         if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.spec.prompt) for s in fresh) <= budget:
             # Short new prompts: one padded forward reads the weights once for all of them.
             logits = self.model.prefill_rows([s.spec.prompt for s in fresh], [s.row for s in fresh], gather=False)
@@ -417,16 +424,42 @@ class ServingLoop:
         for seq in waiting:
             if budget <= 0:
                 break
-            end = min(len(seq.spec.prompt), seq.fed + budget)
-            if _seeded(seq.spec) and end < min(len(seq.spec.prompt), seq.fed + self.prefill_budget):
+            every = seq.spec.prompt_logprobs is not None
+            chunk = min(self.prefill_budget, PROMPT_LOGPROBS_PIECE) if every else self.prefill_budget
+            end = min(len(seq.spec.prompt), seq.fed + budget, seq.fed + chunk)
+            if _seeded(seq.spec) and end < min(len(seq.spec.prompt), seq.fed + chunk):
                 continue  # another seeded row took part of the budget: a whole chunk in a later step
             piece = torch.tensor(seq.spec.prompt[seq.fed : end], dtype=torch.long)
-            logits = self.model.forward_tokens(piece, seq.fed, last_only=True, row=seq.row, gather=False)
+            logits = self.model.forward_tokens(piece, seq.fed, last_only=not every, row=seq.row, gather=False)
+            if every:
+                self._prompt_scores(seq, logits, end)
             budget -= end - seq.fed
             self._prefilled(seq, end)
             if not seq.prefilling:
                 out.append((seq, logits[-1]))
         return out
+
+    def _prompt_scores(self, seq: Sequence, local: torch.Tensor, end: int) -> None:
+        """Every rank: the log-probabilities of the prompt tokens that follow the positions of
+        `local` (T, V_local), this rank's slice of a prefill piece's logits (prompt[fed:end]),
+        in one collective: each rank sends its top candidates and log-sum-exp per position, and
+        the target token's logit where its slice holds it (0 elsewhere, so the ranks' sum is the
+        logit). Rank 0 appends them to the row's `prompt_logprobs`."""
+        targets = seq.spec.prompt[seq.fed + 1 : end + 1]  # the prompt's last position predicts no prompt token
+        if not targets:
+            return
+        local = local[: len(targets)]
+        at = torch.tensor(targets, device=local.device) - self.model.vocab_start
+        inside = (at >= 0) & (at < local.shape[1])
+        here = local.gather(1, at.clamp(0, local.shape[1] - 1)[:, None])  # (P, 1)
+        target_logit = torch.where(inside[:, None], here, torch.zeros_like(here))
+        n = seq.spec.prompt_logprobs
+        values, ids, lse, extra = self.model.top_candidates(local, max(n, 1), target_logit, lse=True)
+        if self.is_sampler:
+            logprobs = (extra.sum(1)[:, 0] - lse).tolist()
+            tops = (values[:, :n] - lse[:, None]).tolist()
+            seq.prompt_logprobs += [(lp, list(zip(row_ids, row_top, strict=True)))
+                                    for lp, row_ids, row_top in zip(logprobs, ids[:, :n].tolist(), tops, strict=True)]
 
     def _prefilled(self, seq: Sequence, end: int) -> None:
         self.row_tokens[seq.row].extend(seq.spec.prompt[seq.fed : end])
@@ -539,6 +572,7 @@ class ServingLoop:
             matched_stop=seq.checker.matched, prompt_tokens=len(seq.spec.prompt),
             ttft_s=seq.queued_s + (first - seq.admitted_at), decode_s=now - first, queued_s=seq.queued_s,
             reused_tokens=seq.reused, logprobs=seq.logprobs, token_gaps_s=seq.gaps, resumed=bool(seq.spec.resumed),
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
 
