@@ -65,6 +65,9 @@ def _stream_all(leader: Leader, on_running=None) -> dict[str, str]:
 def test_both_groups_take_work_from_one_queue(replicas):
     a, b = replicas
     assert a.leader.models()["smol"]["replicas"] == {"ra": 1, "rb": 1}
+    # A submit starts both groups' loops (they then idle 5 s): started now, neither group's loop
+    # start (seconds on a loaded machine) lets the other drain the queue before it takes any.
+    a.leader.generate("smol", prompt="warm", max_tokens=1)
     before = [cluster.leader.serving_stats("smol").get("requests", 0) for cluster in (a, b)]
     texts = _stream_all(a.leader)
     after = [cluster.leader.serving_stats("smol").get("requests", 0) for cluster in (a, b)]
