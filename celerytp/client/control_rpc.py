@@ -13,7 +13,7 @@ import redis
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.keys import control_queue_key, control_reply_key
 from celerytp.core.liveness import RankWatch
-from celerytp.core.redis_client import unavailable
+from celerytp.core.redis_client import block_timeout, unavailable
 
 POLL_S = 0.25  # one blocking pop; the ranks' liveness is checked between them
 QUEUE_TTL_S = 60  # requests to a rank whose worker is gone do not pile up
@@ -44,7 +44,7 @@ def control_call(client: redis.Redis, group: str, world_size: int, op: str, time
                     RankFailure(r, ErrorKind.TIMEOUT, f"no {op} reply within {timeout:.1f}s (worker alive: busy or stuck)")
                     for r in missing
                 ])
-            popped = client.blpop([reply_key], timeout=min(POLL_S, left))
+            popped = client.blpop([reply_key], timeout=block_timeout(min(POLL_S, left)))
             if popped is not None:
                 reply = json.loads(popped[1])
                 replies[int(reply["rank"])] = reply

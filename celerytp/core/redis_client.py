@@ -54,6 +54,15 @@ class RetryOutages(Retry):
         return super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
+MIN_BLOCK_S = 0.01
+
+
+def block_timeout(seconds: float) -> float:
+    """A blocking command's timeout (BLPOP, BLMOVE) for a wait of `seconds` left: Redis reads it in
+    whole milliseconds, and one under 1 ms becomes 0, which blocks forever, so never under 10 ms."""
+    return max(seconds, MIN_BLOCK_S)
+
+
 def connect(url: str, window_s: float | None = None) -> redis.Redis:
     """A client of the Redis at `url` that retries through an outage of `window_s` (default: the
     configured window)."""

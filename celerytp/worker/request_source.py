@@ -31,6 +31,7 @@ from celerytp.core.keys import (
     stream_key,
 )
 from celerytp.core.protocol import GenSpec, RowResult
+from celerytp.core.redis_client import block_timeout
 from celerytp.core.redis_scripts import EXIT_IF_IDLE, GIVE_BACK, RECLAIM, RELEASE_IF_HOLDER, RENEW_IF_HOLDER, TAKE
 from celerytp.core.safe_transport import DEAD_LETTER_MAX, dead_letter_key
 from celerytp.core.stream_record import StreamRecord
@@ -214,7 +215,7 @@ class RedisRequestSource:
                 self.reclaim_lapsed()
             if not self._renew_lease():
                 raise LeaseLost(self._model_id)
-            item = self._redis.blmove(self._queue, self._inflight, min(BLOCK_S, left), "LEFT", "RIGHT")
+            item = self._redis.blmove(self._queue, self._inflight, block_timeout(min(BLOCK_S, left)), "LEFT", "RIGHT")
             if item is not None:
                 self._stash.append(item)
                 self._queued = None  # more may have come with it
