@@ -195,10 +195,25 @@ def test_n_choices_draw_apart_and_count_the_prompt_once(client):
     assert [choice.index for choice in three.choices] == [0, 1, 2]
     assert len({choice.message.content for choice in three.choices}) > 1  # each choice draws its own
     for choice in three.choices:
-        assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
+        assert spelled([e.token for e in choice.logprobs.content], choice.message.content)
         assert choice.finish_reason == ("length" if len(choice.logprobs.content) == 12 else "stop")
     assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
     assert three.usage.completion_tokens == sum(len(choice.logprobs.content) for choice in three.choices)
+
+
+def test_n_choices_compute_their_prompt_once(client, served):
+    """The choices' rows copy the prompt's cache from the first one's row (worker/serving.py
+    `_shares_prefill`, or a running row's prefix when a choice is queued a step later), whichever
+    step each is admitted in: the loop computes at most one prompt's worth (a free row holding an
+    earlier chat's system prompt saves some more). The loop's figures are its own: a loop that
+    started meanwhile counts only this request."""
+    before = served.leader.serving_stats(MODEL)
+    fresh = [{"role": "user", "content": "A prompt no row holds yet: name three rivers of Europe."}]
+    reply = client.chat.completions.create(model=MODEL, messages=fresh, max_tokens=12, temperature=1.0, n=3)
+    after = served.leader.serving_stats(MODEL)
+    same_loop = after["requests"] >= before.get("requests", 0) + 3
+    not_computed = after["reused_tokens"] - (before.get("reused_tokens", 0) if same_loop else 0)
+    assert not_computed >= 2 * (reply.usage.prompt_tokens - 1)
 
 
 def test_streamed_n_choices_interleave_and_end_one_by_one(client):
@@ -217,7 +232,7 @@ def test_streamed_n_choices_interleave_and_end_one_by_one(client):
             ends.setdefault(choice.index, []).append(choice.finish_reason)
     assert order != sorted(order)  # the choices' chunks interleave, as their rows decode side by side
     assert sorted(ends) == [0, 1, 2] and all(len(reasons) == 1 for reasons in ends.values())  # one end each
-    assert all("".join(tokens[i]) == texts[i] for i in range(3))
+    assert all(spelled(tokens[i], texts[i]) for i in range(3))
     assert len(usages) == 1 and usages[0].completion_tokens == sum(map(len, tokens.values()))
 
 

@@ -262,3 +262,118 @@ def test_prompt_logprobs_match_transformers(tmp_path, world):
             values, ids = expected.topk(n)
             assert [token for token, _ in top] == ids.tolist(), (i, position)
             assert torch.allclose(torch.tensor([lp for _, lp in top]), values, atol=1e-4), (i, position)
+
+
+SHARED_PREFILL_RANK = """
+import json, sys
+import torch
+import torch.distributed as dist
+from celerytp.core.protocol import GenSpec
+from celerytp.distributed.control import ControlGroup
+from celerytp.distributed.tp import TPContext
+from celerytp.models import load_model
+from celerytp.worker.serving import ListSource, ServingLoop
+
+
+class Scripted(ListSource):
+    # cancels the listed requests at the loop's second step, their prompts part-way in, and
+    # queues a request marked "after": n at the loop's n-th step
+    def __init__(self, specs, cancel):
+        super().__init__([GenSpec(**s) for s in specs if "after" not in s])
+        self.later = [(s.pop("after"), GenSpec(**s)) for s in specs if "after" in s]
+        self.cancel, self.calls = set(cancel), 0
+
+    def publish(self, events, running, stats):
+        super().publish(events, running, stats)
+        self.calls += 1
+        self.queue += [spec for after, spec in self.later if after == self.calls]
+        return self.cancel & set(running) if self.calls == 2 else set()
+
+    def try_exit(self):
+        return not self.queue and all(after <= self.calls for after, _ in self.later)
+
+
+rank, world, init, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
+model = load_model(path, TPContext(rank, world), max_batch=8)
+control = ControlGroup.on_default_group(rank, world)
+runs = []
+for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over cold rows
+    model.clear_cache()
+    source = Scripted(specs, cancel) if rank == 0 else None
+    stats = ServingLoop(model, control, {}, 8, 0.0, source).run()
+    if rank == 0:
+        rows = {rid: [f.result.token_ids, f.result.logprobs, f.result.finish_reason, f.result.reused_tokens]
+                for rid, f in source.results.items()}
+        runs.append({"stats": stats, "rows": rows})
+if rank == 0:
+    json.dump(runs, open(out, "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_equal_prompts_are_prefilled_once_and_each_row_samples_as_if_alone(tmp_path, family):
+    """n choices of one prompt (seeded: seed, seed + 1, ...) and equal greedy prompts queued
+    together: one row computes the prompt (20 tokens: three prefill steps at a budget of 8), the
+    others copy its cache, and each samples what it samples alone (the first token's logprob bit
+    for bit: a seeded prompt is computed alone, so the copy equals a cold prefill). When the
+    computing row is cancelled part-way, a waiting row computes the prompt itself. At TP=2, a
+    dense model (uneven vocabulary slices) and a hybrid one (recurrent state copied too)."""
+    import torch
+    from model_fixtures import COMMON, make_prompt, randomize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family == "llama":
+        config = AutoConfig.for_model("llama", **{**COMMON, "vocab_size": 161}, hidden_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+        torch.manual_seed(0)
+        hf = randomize(AutoModelForCausalLM.from_config(config).eval())
+        hf.save_pretrained(tmp_path / "model", safe_serialization=True)
+    else:
+        from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model, set_chunk_size
+
+        kind, extra, chunk = HYBRID_CONFIGS["qwen3_next_uneven"]
+        hf = make_hybrid_model(kind, extra, seed=11)
+        hf.save_pretrained(tmp_path / "model", safe_serialization=True)
+        set_chunk_size(tmp_path / "model", chunk)
+    vocab = hf.config.vocab_size
+    prompt, other = make_prompt(vocab, 20, seed=3), make_prompt(vocab, 11, seed=4)
+    choices = [dict(request_id=f"c{i}", prompt=prompt, max_tokens=6,
+                    sampling=dict(temperature=1.0, seed=5 + i, logprobs=1)) for i in range(3)]
+    greedy = [dict(request_id=f"g{i}", prompt=other, max_tokens=6, sampling=dict(temperature=0, logprobs=1)) for i in range(2)]
+    late = dict(greedy[1], request_id="late", after=3)  # while g0 decodes: it copies the prompt's first 10 tokens
+    runs = [[choices + greedy, []], *([[spec], []] for spec in choices + greedy[:1]), [choices[:2], ["c0"]],
+            [[greedy[0], late], []]]
+    init, out = tmp_path / "init", tmp_path / "out.json"
+    ranks = [subprocess.Popen([sys.executable, "-c", SHARED_PREFILL_RANK, str(r), "2", str(init),
+                               str(tmp_path / "model"), str(out), json.dumps(runs)], stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    for r, rank in enumerate(ranks):
+        _, err = rank.communicate(timeout=240)
+        assert rank.returncode == 0, (r, err[-3000:])
+    together, *alone, cancelled, later = json.loads(out.read_text())
+    alone = {rid: row for run in alone for rid, row in run["rows"].items()}
+
+    assert together["stats"]["shared_prompt_tokens"] == 2 * len(prompt) + len(other)
+    for rid, (tokens, logprobs, _, reused) in together["rows"].items():
+        lone_tokens, lone_logprobs, _, _ = alone[rid if rid in alone else "g0"]
+        assert tokens == lone_tokens, rid
+        if rid[0] == "c":  # seeded: the prompt's logits bit for bit (greedy ones may be chunked otherwise)
+            assert logprobs[0][0] == lone_logprobs[0][0], rid
+        assert [lp for lp, _ in logprobs] == pytest.approx([lp for lp, _ in lone_logprobs], abs=1e-4), rid
+        assert reused == (0 if rid in ("c0", "g0") else len(prompt) if rid[0] == "c" else len(other)), rid
+    assert len({tuple(together["rows"][f"c{i}"][0]) for i in range(3)}) > 1  # each choice draws its own
+
+    assert cancelled["rows"]["c0"][2] == "cancelled"
+    assert cancelled["stats"]["shared_prompt_tokens"] == 0
+    assert cancelled["rows"]["c1"][0] == alone["c1"][0]
+    assert cancelled["rows"]["c1"][1][0][0] == alone["c1"][1][0][0]
+
+    # Arriving once g0 decodes, the same prompt copies what g0's row holds of it (a recurrent
+    # state cannot be cut to a prefix: the hybrid copies nothing then)
+    copied = len(other) - 1 if family == "llama" else 0
+    assert later["stats"]["shared_prompt_tokens"] == copied
+    assert later["rows"]["late"][0] == alone["g0"][0] and later["rows"]["late"][3] == copied

@@ -289,7 +289,8 @@ class Leader:
     def serving_stats(self, model_id: str) -> dict[str, int]:
         """The model's queue (shared by its replicas) and this group's serving loop: `queued`,
         `loop_running` (0/1), `running_rows`, `peak_rows`, `steps`, `requests`, `reused_tokens`
-        of the current or last loop."""
+        (prompt tokens a row held already), `shared_prompt_tokens` (copied from a row that
+        prefilled the same prompt) of the current or last loop."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.llen(queue_key(model_id))
         pipe.exists(loop_key(self.group, model_id))

@@ -151,6 +151,12 @@ class KVCache(nn.Module):
             keys, values = self.k[slots.rows, :, : slots.length], self.v[slots.rows, :, : slots.length]  # gathered
         return keys.to(compute), values.to(compute)
 
+    @torch.inference_mode()
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Give row `dst` the first `length` positions of row `src`, bit for bit."""
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

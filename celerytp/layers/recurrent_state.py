@@ -45,6 +45,12 @@ class RecurrentState(nn.Module):
         self.conv[rows].zero_()
         self.ssm[rows].zero_()
 
+    @torch.inference_mode()
+    def copy_row(self, src: int, dst: int) -> None:
+        """Give row `dst` row `src`'s state, bit for bit."""
+        self.conv[dst] = self.conv[src]
+        self.ssm[dst] = self.ssm[src]
+
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes

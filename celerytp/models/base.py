@@ -196,6 +196,15 @@ class CausalLM(nn.Module):
             self.clear_cache(row)
         self.cache_lens[row] = keep
 
+    def copy_row(self, src: int, dst: int, keep: int) -> None:
+        """Make row `dst` hold the first `keep` positions of row `src`, bit for bit (a prompt
+        prefilled once for several rows)."""
+        if not 0 < keep <= self.cache_lens[src]:
+            raise ValueError(f"row {src} holds {self.cache_lens[src]} positions, cannot copy {keep}")
+        for cache in self.kv_caches():
+            cache.copy_row(src, dst, keep)
+        self.cache_lens[dst] = keep
+
     def kv_caches(self) -> list[KVCache]:
         return [m for m in self.modules() if isinstance(m, KVCache)]
 

@@ -146,6 +146,14 @@ class Qwen3NextForCausalLM(CausalLM):
         for state in self.model.recurrent_states():
             state.reset(row)
 
+    def copy_row(self, src: int, dst: int, keep: int) -> None:
+        """Recurrent state holds a whole history: copy all of it, never a prefix."""
+        if keep != self.cache_lens[src]:
+            raise ValueError(f"row {src}: recurrent state cannot be copied as {keep} of {self.cache_lens[src]} tokens")
+        super().copy_row(src, dst, keep)
+        for state in self.model.recurrent_states():
+            state.copy_row(src, dst)
+
     def reusable_prefix(self, held: list[int], prompt: list[int]) -> int:
         """Only a prompt that extends the row's whole history can continue its recurrent state."""
         return len(held) if len(held) < len(prompt) and common_prefix(held, prompt) == len(held) else 0

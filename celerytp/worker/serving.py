@@ -79,6 +79,9 @@ class Sequence:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None  # None first (no context)
     grammar: RowGrammar | None = None  # structured output: the mask of its next token (worker/grammar.py)
+    # every rank: the row prefilling the same prompt, whose cache this row copies when it is in
+    # (n choices of one request, or equal prompts queued together) instead of computing it again
+    source: Sequence | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -157,7 +160,7 @@ class Scores:
 class Plan:
     command: int
     news: list[tuple[int, int]]  # per cache row: (NO_NEWS | FEED | DONE, token)
-    admissions: list[tuple[GenSpec, int, int]]  # (spec, row, reused)
+    admissions: list[tuple[GenSpec, int, int, int]]  # (spec, row, reused, the row it copies them from or -1)
     error: tuple[str, str] | None = None  # (kind, message) of an abort
 
 
@@ -198,7 +201,7 @@ class ServingLoop:
         self._grammars: dict[str, RowGrammar] = {}  # rank 0: request id -> its matcher, until it has a row
         self.is_sampler = control.rank == 0
         self.running: dict[int, Sequence] = {}  # cache row -> its request
-        self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0}
+        self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0, "shared_prompt_tokens": 0}
         self._news: list[tuple[int, int]] = [(NO_NEWS, 0)] * self.rows
         self._events = Events()
         self._yielding = False
@@ -284,7 +287,7 @@ class ServingLoop:
                 self._events.finished.append((seq.spec, Finished(self._result(seq, "cancelled"))))
 
     def _admit(self, plan: Plan) -> None:
-        taken = {row for _, row, _ in plan.admissions}
+        taken = {row for _, row, _, _ in plan.admissions}
         free = [r for r in range(self.rows) if (r not in self.running or plan.news[r][0] == DONE) and r not in taken]
         for spec in timed("take", lambda: self.source.take(len(free))) if free else []:
             try:
@@ -295,7 +298,12 @@ class ServingLoop:
             row, reused = max(((r, self._reusable(spec, r)) for r in free),
                               key=lambda choice: (choice[1], -choice[0]))  # longest reuse, then the lowest row
             free.remove(row)
-            plan.admissions.append((spec, row, reused))
+            donor, shared = max(((r, self._reusable(spec, r)) for r in self.running if plan.news[r][0] != DONE),
+                                key=lambda choice: choice[1], default=(-1, 0))
+            if shared > reused:  # a running row holds more of the prompt (n choices, a shared system prompt)
+                plan.admissions.append((spec, row, shared, donor))
+            else:
+                plan.admissions.append((spec, row, reused, -1))
             self._admitting.append(spec)
 
     def _reusable(self, spec: GenSpec, row: int) -> int:
@@ -331,7 +339,7 @@ class ServingLoop:
         header = torch.zeros(_HEADER + 2 * self.rows, dtype=torch.long)
         payload = b""
         if plan is not None:
-            extra = plan.error if plan.command == ABORT else [[s.model_dump(), r, n] for s, r, n in plan.admissions]
+            extra = plan.error if plan.command == ABORT else [[s.model_dump(), *rest] for s, *rest in plan.admissions]
             payload = json.dumps(extra).encode() if extra else b""
             header[0], header[1] = plan.command, len(payload)
             header[_HEADER:] = torch.tensor(plan.news, dtype=torch.long).flatten()
@@ -346,7 +354,7 @@ class ServingLoop:
             extra = []
         if command == ABORT:
             return Plan(ABORT, news, [], tuple(extra) if extra else (ErrorKind.INTERNAL, "serving loop aborted"))
-        admissions = [(GenSpec.model_validate(s), r, n) for s, r, n in extra]
+        admissions = [(GenSpec.model_validate(s), *rest) for s, *rest in extra]
         return Plan(command, news, admissions)
 
     def _apply(self, plan: Plan) -> None:
@@ -358,10 +366,15 @@ class ServingLoop:
                 del self.running[row]
             else:
                 seq.next_token = token
-        for spec, row, reused in plan.admissions:
-            self.model.truncate(row, reused)
+        for spec, row, reused, donor in plan.admissions:
+            if donor >= 0:
+                self.model.copy_row(donor, row, reused)
+                self.stats["shared_prompt_tokens"] += reused
+            else:
+                self.model.truncate(row, reused)
             self.row_tokens[row] = list(spec.prompt[:reused])
             seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, forced=list(spec.resumed))
+            seq.source = next((s for s in self.running.values() if _shares_prefill(s, seq)), None)
             if self.is_sampler:
                 self._start(seq)
             self.running[row] = seq
@@ -405,6 +418,23 @@ class ServingLoop:
         return out
 
     def _prefill(self, waiting: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
+        for seq in waiting:
+            if seq.source is not None and self.running.get(seq.source.row) is not seq.source:
+                seq.source = None  # its source left (cancelled) before its prompt was in: compute it here
+        following = [s for s in waiting if s.source is not None]
+        out = self._prefill_own([s for s in waiting if s.source is None])
+        for seq, logits in list(out):
+            for follower in (f for f in following if f.source is seq):
+                self.model.copy_row(seq.row, follower.row, seq.fed)
+                self.row_tokens[follower.row] = list(self.row_tokens[seq.row])
+                self.stats["shared_prompt_tokens"] += seq.fed - follower.fed
+                self.stats["reused_tokens"] += seq.fed - follower.fed
+                follower.fed = follower.reused = seq.fed  # prompt tokens it did not compute
+                follower.source = None
+                out.append((follower, logits))
+        return out
+
+    def _prefill_own(self, waiting: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
         out = []
         budget = self.prefill_budget
         # A seeded row prefills alone, in whole chunks of the budget (`_reusable`): it goes first,
@@ -583,6 +613,15 @@ def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
 def _seeded(spec: GenSpec) -> bool:
     """A request with a seed: computed alike whether or not its prompt is cached (`_reusable`)."""
     return (spec.sampling or {}).get("seed") is not None
+
+
+def _shares_prefill(source: Sequence, seq: Sequence) -> bool:
+    """Whether `seq` can take `source`'s prompt cache once it is in rather than compute it: the
+    same prompt, still to come, and computed as `seq` would (a seeded row's is computed alone, so
+    a copy is bit-exact); not for rows scoring every prompt position (their logits are needed)."""
+    return (source.source is None and source.prefilling and source.spec.prompt == seq.spec.prompt
+            and _seeded(source.spec) == _seeded(seq.spec)
+            and source.spec.prompt_logprobs is None and seq.spec.prompt_logprobs is None)
 
 
 def _done_rows(plan: Plan) -> list[int]:
