@@ -78,7 +78,7 @@ def ours(tp: int, args: argparse.Namespace) -> dict:
             result = leader.generate("smol", prompt=PROMPT, max_tokens=args.tokens, temperature=0, ignore_eos=True)
             decode.append((result.completion_tokens - 1) / result.decode_s)
             ids = [rng.randrange(vocab) for _ in range(args.prefill)]  # fresh every time: nothing cached
-            row = leader.submit("smol", {"request_id": f"fill-{rng.random()}", "prompt": ids, "max_tokens": 1}).result()
+            row = leader.submit("smol", {"request_id": f"fill-{rng.randrange(1 << 30)}", "prompt": ids, "max_tokens": 1}).result()
             fill.append(args.prefill / row.ttft_s)
         return {"decode_tok_s": max(decode), "prefill_tok_s": max(fill), "load_s": load_s}
 

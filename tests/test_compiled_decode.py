@@ -141,3 +141,40 @@ def test_the_compile_cache_lives_in_the_workers_cache_directory(monkeypatch, tmp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # an operator's own choice stays
     use_persistent_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def test_bucketed_decode_gives_the_same_tokens_from_a_few_shapes(checkpoint) -> None:
+    """Where decode runs as CUDA graphs (one recorded graph per shape), it pads its batch width and
+    the keys it reads to powers of two (`decode_buckets`, models/compiled.py turns it on with
+    CUDA graphs). No GPU here: the padding runs eagerly on CPU. Three rows of different lengths,
+    one of which stops half-way (a passenger), decode 20 steps after the first decoded 3 alone: the
+    same greedy ids and logits as without padding, while the layers see three shapes instead of
+    one per step."""
+    path, prompts = checkpoint
+    prompts = [*prompts, make_prompt(100, 10, seed=3)]
+    os.environ[COMPILE_ENV] = "0"
+    runs = {}
+    for bucketed in (False, True):
+        model = load_model(path, TPContext(), max_context=64, max_batch=5)
+        model.decode_buckets = bucketed
+        shapes = set()
+        model.model.layers[0].register_forward_pre_hook(
+            lambda _, args: shapes.add((args[0].shape[0], args[3].length)) if args[3].writes is not None else None)
+        ids = [[int(model.forward_tokens(torch.tensor(p), 0, last_only=True, row=r).argmax())] for r, p in enumerate(prompts)]
+        logits = []
+        for _ in range(3):  # row 0 alone first: no ragged rows, yet the padded keys must stay hidden
+            out = model.decode([ids[0][-1]], [True])
+            logits.append(out[0])
+            ids[0].append(int(out[0].argmax()))
+        for step in range(20):
+            active = [True, True, step < 10]
+            out = model.decode([row[-1] for row in ids], active)
+            logits.append(out[0])
+            for row, a in enumerate(active):
+                if a:
+                    ids[row].append(int(out[row].argmax()))
+        runs[bucketed] = ids, torch.stack(logits), shapes
+    (plain_ids, plain_logits, plain_shapes), (ids, logits, shapes) = runs[False], runs[True]
+    assert ids == plain_ids
+    torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=0)
+    assert len(plain_shapes) > 10 and shapes == {(1, 16), (4, 16), (4, 32)}  # widths 1, 3 -> 4; keys up to 33

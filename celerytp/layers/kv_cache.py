@@ -54,16 +54,23 @@ class CacheSlots:
         return cls(torch.tensor(rows, device=device), positions, T, mask, rows[0] if contiguous else None)
 
     @classmethod
-    def decode(cls, positions: list[int], active: list[bool], scratch: int, device: torch.device) -> CacheSlots:
+    def decode(
+        cls, positions: list[int], active: list[bool], scratch: int, device: torch.device, bucketed: bool = False
+    ) -> CacheSlots:
         """One token for each of rows 0..R-1 at its own position; inactive rows are passengers.
 
         The batch has a fixed shape (a view of the first R cache rows, never a gather). An
         inactive row's token goes to the `scratch` position, past every real one, and it
-        attends to key 0 only, so it disturbs no row and produces no NaN.
+        attends to key 0 only, so it disturbs no row and produces no NaN. `bucketed`: the keys
+        read run to the next power of two (at least 16), the ones past a row's position masked,
+        and the mask and `active` are always given, so a step's shapes change only at bucket
+        boundaries (CUDA graphs record one graph per shape: models/compiled.py).
         """
         live = [p for p, a in zip(positions, active) if a]
         length = max(live) + 1 if live else 1
         ragged = len(live) < len(positions) or min(live) != length - 1
+        if bucketed:
+            length, ragged = min(bucket(max(length, 16)), scratch + 1), True
         pos = torch.tensor(positions, device=device)  # (R,)
         on = torch.tensor(active, device=device)  # (R,)
         mask = None
@@ -77,7 +84,7 @@ class CacheSlots:
             mask=mask,
             first_row=0,
             writes=torch.where(on, pos, scratch),
-            active=None if len(live) == len(positions) else on,
+            active=None if len(live) == len(positions) and not bucketed else on,
         )
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -86,6 +93,11 @@ class CacheSlots:
         keys = torch.arange(self.length, device=self.positions.device)  # (L,)
         recent = (keys[None, None] > self.positions[:, :, None] - window)[:, None]  # (B, 1, T, L)
         return recent if self.mask is None else recent & self.mask
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << (n - 1).bit_length()
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.kv_cache import CacheSlots, KVCache
+from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket
 from celerytp.layers.moe import RoutedExperts
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.config import ModelConfig
@@ -75,6 +75,9 @@ class CausalLM(nn.Module):
         self.max_batch = options.max_batch
         self.step_row = options.max_batch  # step mode's own row, beside the served rows
         self.cache_lens = [0] * cache_rows(options)  # tokens cached per row
+        # Decode pads the batch width and the keys read to powers of two (CacheSlots.decode), so
+        # its shapes come from a small set: set where each new shape costs (CUDA graphs).
+        self.decode_buckets = False
 
     @property
     def device(self) -> torch.device:
@@ -143,11 +146,15 @@ class CausalLM(nn.Module):
         The batch keeps the shape of the first R rows (no copy of any row's cache); inactive
         rows ride along without touching their cache. Returns float32 logits (active rows, vocab).
         """
+        if self.decode_buckets:  # free or prefilling rows past R ride along as passengers
+            padding = min(bucket(len(tokens)), self.max_batch) - len(tokens)
+            tokens, active = [*tokens, *[0] * padding], [*active, *[False] * padding]
         positions = self.cache_lens[: len(tokens)]
         if any(a and p >= self.max_context for p, a in zip(positions, active)):
             raise ValueError(f"a row is at max_context {self.max_context}")
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
-        h = self.model(ids, CacheSlots.decode(positions, active, self.max_context, self.device))[:, 0]  # (R, D)
+        slots = CacheSlots.decode(positions, active, self.max_context, self.device, bucketed=self.decode_buckets)
+        h = self.model(ids, slots)[:, 0]  # (R, D)
         if not all(active):
             h = h[torch.tensor(active, device=self.device)]  # (A, D)
         logits = self.lm_head(h, gather=gather).float()  # (A, V)

@@ -14,8 +14,10 @@ none. On 2-core CPU machines compiling speeds up q4 decode 1.2-1.5x and float32 
 (docs/benchmarks.md), hence `auto`. The compiler's cache (`TORCHINDUCTOR_CACHE_DIR`, set here
 under the worker's cache directory unless the environment sets it) keeps the cost to the first
 start on a machine: ~40 s there, a few seconds on later starts. On CUDA the same call uses
-mode="reduce-overhead" (CUDA graphs); that path is not yet verified on a GPU. Prefill and hybrid
-(Gated DeltaNet) layers stay eager.
+mode="reduce-overhead" (CUDA graphs). A CUDA graph replays one recorded shape, so there decode
+pads its batch width and the keys it reads to powers of two (`CausalLM.decode_buckets`): a
+graph per bucket, recorded once, instead of one per step as the attended length grows. Prefill
+and hybrid (Gated DeltaNet) layers stay eager.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from celerytp.layers.kv_cache import bucket
 
 if TYPE_CHECKING:
     from celerytp.models.base import CausalLM
@@ -77,17 +81,23 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         log.info("%s: %s decodes eagerly (only dense models compile)", COMPILE_ENV, type(model).__name__)
         return False
     use_persistent_cache()
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    graphs = model.device.type == "cuda"
+    mode = "reduce-overhead" if graphs else None
     decoder.decode_layers = [torch.compile(layer, dynamic=True, fullgraph=True, mode=mode) for layer in decoder.layers]
+    # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
+    # every width bucket is recorded now (a key-length bucket when a row first reaches it).
+    model.decode_buckets = graphs
+    widths = sorted({min(bucket(w), model.max_batch) for w in range(1, model.max_batch + 1)}) if graphs else (1, 2)
     started = time.monotonic()
     try:
-        for width in (1, 2):  # a width of 1 is its own graph; 2 stands for every other width
+        for width in widths:  # without graphs a width of 1 is its own graph; 2 stands for every other width
             if progress is not None:
                 progress(f"compiling decode (batch width {width}; the first start on a machine takes longest)")
             model.decode([0] * width, [True] * width)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: run eagerly, as without the switch
         log.warning("%s: compiling decode failed, decoding eagerly: %s: %s", COMPILE_ENV, type(exc).__name__, exc)
         decoder.decode_layers = None
+        model.decode_buckets = False
         return False
     finally:
         model.clear_cache()
