@@ -4,6 +4,7 @@ workers that wait for a late Redis."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -95,7 +96,7 @@ def test_worker_hides_a_wrong_password(redis_port):
 def test_worker_waits_for_a_late_redis(redis_port):
     port, start = redis_port
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celerytp", "worker", "--rank", "0", "--world-size", "1", "--device", "cpu",
+        [sys.executable, "-m", "celerytp", "worker", "--rank", "0", "--world-size", "1",  # --device auto
          "--broker", f"redis://127.0.0.1:{port}/0", "--redis-wait", "60"],
         env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -104,7 +105,8 @@ def test_worker_waits_for_a_late_redis(redis_port):
         assert worker.poll() is None
         client = start()
         deadline = time.monotonic() + 60
-        while not client.get("celerytp:default:rank:0:owner"):  # the worker took its rank
+        # the worker took its rank, and its heartbeat names the device `auto` resolved to
+        while json.loads(client.get("celerytp:default:rank:0:owner") or "{}").get("device") != "cpu":
             assert worker.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
     finally:

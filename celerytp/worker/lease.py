@@ -26,6 +26,11 @@ if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if holder == false then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
 return 0
 """
+# ARGV: the value held, the new one, TTL ms. 1: replaced; 0: the claim is someone else's or gone.
+_REPLACE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end
+return 0
+"""
 
 
 class RankTaken(Exception):
@@ -47,6 +52,7 @@ class RankLease:
         )
         self.timing = HeartbeatTiming.from_env()
         self._stop = threading.Event()
+        self._value_lock = threading.Lock()  # a beat never compares against a value being replaced
 
     def acquire(self) -> None:
         if not self._redis.set(self._key, self.value, nx=True, px=int(self.timing.ttl_s * 1000)):
@@ -58,12 +64,23 @@ class RankLease:
         ttl_ms = int(self.timing.ttl_s * 1000)
         while not self._stop.wait(self.timing.refresh_s):
             try:
-                held = self._redis.eval(_REFRESH, 1, self._key, self.value, ttl_ms)
+                with self._value_lock:
+                    held = self._redis.eval(_REFRESH, 1, self._key, self.value, ttl_ms)
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 continue
             if not held and not self._stop.is_set():
                 exits.exit_now(exits.LEASE_LOST, f"{self._key} is held by another live worker")
+
+    def show_device(self, device: str) -> None:
+        """Put the device the rank resolved (`auto` -> `cuda:0`) in the claim its heartbeat shows."""
+        value = json.dumps({**json.loads(self.value), "device": device})
+        with self._value_lock:
+            try:
+                if self._redis.eval(_REPLACE, 1, self._key, self.value, value, int(self.timing.ttl_s * 1000)):
+                    self.value = value
+            except redis.RedisError as exc:  # the next beat reports a lasting failure
+                log.warning("could not update %s: %s", self._key, exc)
 
     def release(self) -> None:
         self._stop.set()

@@ -43,6 +43,8 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
 
     app = make_app(config.broker_url, config.group, config.world_size)
     state = RankState(config)
+    if state.device is not None:
+        lease.show_device(str(state.device))
     register_tasks(app, state)
     provide_status(lambda: {
         "group": config.group, "rank": config.rank, "world_size": config.world_size, "comm_id": state.comm_id,
