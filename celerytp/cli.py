@@ -138,12 +138,26 @@ def leader_for(args: argparse.Namespace) -> Iterator:
     # One request on fresh workers: compiling decode would take longer than the decode it speeds
     # up, so these decode eagerly unless CELERYTP_COMPILE says otherwise (`serve` compiles).
     env = {} if COMPILE_ENV in os.environ else {COMPILE_ENV: "0"}
-    with LocalCluster(world_size=args.tp, model_roots=getattr(args, "model_roots", None), env=env) as cluster:
+    with LocalCluster(world_size=args.tp, model_roots=getattr(args, "model_roots", None), env=env,
+                      device=embedded_device_for(args)) as cluster:
         yield cluster.leader
 
 
+def embedded_device_for(args: argparse.Namespace) -> str:
+    """The embedded cluster's worker --device, settled (and a bad --device refused) before anything
+    starts; "cpu" where running workers are used (they have their own)."""
+    if not hasattr(args, "embedded_device"):
+        from celerytp.embedded_devices import embedded_device
+
+        args.embedded_device = "cpu" if args.broker else embedded_device(args.device, args.tp)
+    return args.embedded_device
+
+
 def check_broker(args: argparse.Namespace) -> None:
-    """An unreachable broker is a runtime error (exit 1), not a usage error."""
+    """An unreachable broker is a runtime error (exit 1), not a usage error. Without one, the
+    embedded cluster's device is settled here."""
+    if not args.broker and hasattr(args, "device"):
+        embedded_device_for(args)
     if args.broker:
         from celerytp.server.config import reachable_broker
 
@@ -243,6 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
         broker=args.broker, group=args.group, api_keys=api_keys, admin_key=admin_key,
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
         frontend=not args.no_frontend, request_timeout=args.request_timeout,
+        device=embedded_device_for(args),
     )
     check_broker(args)  # an unreachable broker: exit 1 (check_environment would call it a usage error)
     config.check_environment()
@@ -423,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_leader_args(parser: argparse.ArgumentParser, broker_required: bool = False) -> None:
     parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks (world size)")
+    if not broker_required:
+        parser.add_argument("--device", default="auto", help="the embedded cluster's ranks: auto (a GPU per rank "
+                            "when there are enough, else the CPU), cuda or cpu; running workers have their own")
     parser.add_argument("--group", default=os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP))
     parser.add_argument("--broker", default=os.environ.get("CELERYTP_BROKER"),
                         required=broker_required and not os.environ.get("CELERYTP_BROKER"),

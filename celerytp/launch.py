@@ -33,7 +33,7 @@ def group_for(config: ServeConfig) -> Iterator[Leader]:
 
     say(f"starting a local cluster of {config.tp} rank(s)...")
     roots = [os.path.dirname(config.model_path)]
-    with LocalCluster(world_size=config.tp, group=config.group, model_roots=roots) as cluster:
+    with LocalCluster(world_size=config.tp, group=config.group, model_roots=roots, device=config.device) as cluster:
         yield cluster.leader
 
 

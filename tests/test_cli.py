@@ -16,6 +16,8 @@ import pytest
 import redis
 
 from celerytp.cluster import find_redis_server
+from celerytp.core.errors import CeleryTPError
+from celerytp.embedded_devices import embedded_device, gpu_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "hunter2-not-shown"
@@ -41,6 +43,7 @@ def free_port() -> int:
     (["serve", "--tp", "4"], ("error: bad_request: --tp 4 does not fit SmolLM2-135M-Instruct.Q4_1.gguf: world size 4 "
                              "exceeds num_kv_heads 3")),
     (["serve", "--port", "70000"], "error: bad_request: --port must be in 1..65535, got 70000"),
+    (["serve", "--device", "tpu"], "error: bad_request: --device must be one of auto, cpu, cuda, got 'tpu'"),
     # an unreachable broker is a runtime error: exit 1 (tests/test_cli_status.py)
 ])
 def test_bad_input_is_one_line_and_exit_2(args, expected):
@@ -50,6 +53,24 @@ def test_bad_input_is_one_line_and_exit_2(args, expected):
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(expected), done.stderr
     assert SECRET not in done.stderr + done.stdout
     assert "starting" not in done.stderr and time.monotonic() - started < 30  # refused before any cluster
+
+
+def test_the_embedded_cluster_takes_a_gpu_per_rank_or_the_cpu():
+    """`--device` of generate/serve/check without --broker (embedded_devices.py): NCCL refuses two
+    ranks on one GPU, so `auto` takes GPUs only when there is one per rank. GPU counts are passed
+    in (this machine has none: its own count is checked to be 0, and `cuda` refused before
+    anything starts)."""
+    assert [embedded_device("auto", 2, gpus=n) for n in (0, 1, 2, 8)] == ["cpu", "cpu", "auto", "auto"]
+    assert embedded_device("cuda", 2, gpus=2) == "auto" and embedded_device("cpu", 2, gpus=8) == "cpu"
+    with pytest.raises(CeleryTPError, match="2 rank.s. need a GPU each, found 1"):
+        embedded_device("cuda", 2, gpus=1)
+    if gpu_count():
+        pytest.skip("this machine has a GPU: the refusal below needs one without")
+    assert embedded_device("auto", 1) == "cpu"
+    done = celerytp("generate", "--prompt", "x", "--device", "cuda")
+    assert done.returncode == 2 and done.stderr.startswith(
+        "error: bad_request: --device cuda: 2 rank(s) need a GPU each, found 0"), done.stderr
+    assert "starting" not in done.stderr
 
 
 def test_debug_shows_the_traceback():

@@ -112,6 +112,7 @@ class ServeConfig:
     quant, max_batch, max_context: load settings.
     frontend: also consume `celerytp.generate` tasks (the Celery front door).
     request_timeout: seconds a request may take before it is cancelled and answered 504.
+    device: the embedded cluster's worker --device (embedded_devices.py `embedded_device`).
     """
 
     model_path: str
@@ -128,6 +129,7 @@ class ServeConfig:
     max_context: int | None = None
     frontend: bool = True
     request_timeout: float = 600.0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         positive("--tp", self.tp)
