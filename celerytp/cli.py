@@ -156,7 +156,7 @@ def embedded_device_for(args: argparse.Namespace) -> str:
 def check_broker(args: argparse.Namespace) -> None:
     """An unreachable broker is a runtime error (exit 1), not a usage error. Without one, the
     embedded cluster's device is settled here."""
-    if not args.broker and hasattr(args, "device"):
+    if hasattr(args, "device"):
         embedded_device_for(args)
     if args.broker:
         from celerytp.server.config import reachable_broker

@@ -196,75 +196,7 @@ def test_no_request_is_stranded_around_the_idle_window(tp2):
     assert json.loads(json.dumps(tp2.serving_stats("smol")))["queued"] == 0
 
 
-PROMPT_LOGPROBS_RANK = """
-import json, sys
-import torch
-import torch.distributed as dist
-from celerytp.core.protocol import GenSpec
-from celerytp.distributed.control import ControlGroup
-from celerytp.distributed.tp import TPContext
-from celerytp.models import load_model
-from celerytp.worker.serving import ListSource, ServingLoop
-
-rank, world, init, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
-model = load_model(path, TPContext(rank, world), max_batch=4)
-asks = json.loads(sys.argv[6])  # [[prompt, prompt_logprobs], ...]
-specs = [GenSpec(request_id=f"r{i}", prompt=prompt, max_tokens=1, prompt_logprobs=n)
-         for i, (prompt, n) in enumerate(asks)]
-specs.append(GenSpec(request_id="plain", prompt=asks[0][0][:5], max_tokens=1))  # beside them, batched
-source = ListSource(specs) if rank == 0 else None
-ServingLoop(model, ControlGroup.on_default_group(rank, world), {}, 8, 0.0, source).run()
-if rank == 0:
-    json.dump({rid: f.result.prompt_logprobs for rid, f in source.results.items()}, open(out, "w"))
-dist.barrier()
-dist.destroy_process_group()  # gloo left to the interpreter's exit can abort the process
-"""
-
-
-def _serve_prompt_logprobs(tmp_path, path, world: int, asks: list) -> dict:
-    """The prompt logprobs of `asks` through the bare serving loop on `world` ranks (prefill budget 8)."""
-    init, out = tmp_path / f"init{world}", tmp_path / f"out{world}.json"
-    ranks = [subprocess.Popen([sys.executable, "-c", PROMPT_LOGPROBS_RANK, str(r), str(world), str(init), str(path),
-                               str(out), json.dumps(asks)], stderr=subprocess.PIPE, text=True) for r in range(world)]
-    for r, rank in enumerate(ranks):
-        _, err = rank.communicate(timeout=120)
-        assert rank.returncode == 0, (r, err[-3000:])
-    return json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_prompt_logprobs_match_transformers(tmp_path, world):
-    """Every prompt position's log-probability of the next prompt token and its top alternatives,
-    from the ranks' vocabulary slices (161 tokens: uneven at TP=2), as transformers' log_softmax
-    gives them, for a prompt chunked over three prefill steps and a short one beside it."""
-    import torch
-    from model_fixtures import COMMON, make_prompt, randomize
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("llama", **{**COMMON, "vocab_size": 161}, hidden_size=64, num_attention_heads=4,
-                                  num_key_value_heads=2, intermediate_size=96)
-    torch.manual_seed(0)
-    model = randomize(AutoModelForCausalLM.from_config(config).eval())
-    model.save_pretrained(tmp_path / "tiny", safe_serialization=True)
-    asks = [[make_prompt(161, 20, seed=1), 3], [make_prompt(161, 6, seed=2), 0]]
-    served = _serve_prompt_logprobs(tmp_path, tmp_path / "tiny", world, asks)
-    assert served["plain"] is None
-    for i, (prompt, n) in enumerate(asks):
-        with torch.no_grad():
-            reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)  # (T, V)
-        entries = served[f"r{i}"]
-        assert len(entries) == len(prompt) and entries[0] is None
-        for position, (logprob, top) in enumerate(entries[1:]):
-            expected = reference[position]
-            assert abs(logprob - float(expected[prompt[position + 1]])) < 1e-4, (i, position)
-            values, ids = expected.topk(n)
-            assert [token for token, _ in top] == ids.tolist(), (i, position)
-            assert torch.allclose(torch.tensor([lp for _, lp in top]), values, atol=1e-4), (i, position)
-
-
-SHARED_PREFILL_RANK = """
+BARE_LOOP_RANK = """
 import json, sys
 import torch
 import torch.distributed as dist
@@ -304,14 +236,69 @@ for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over col
     source = Scripted(specs, cancel) if rank == 0 else None
     stats = ServingLoop(model, control, {}, 8, 0.0, source).run()
     if rank == 0:
-        rows = {rid: [f.result.token_ids, f.result.logprobs, f.result.finish_reason, f.result.reused_tokens]
+        rows = {rid: {"tokens": f.result.token_ids, "logprobs": f.result.logprobs, "finish": f.result.finish_reason,
+                      "reused": f.result.reused_tokens, "prompt_logprobs": f.result.prompt_logprobs}
                 for rid, f in source.results.items()}
         runs.append({"stats": stats, "rows": rows})
 if rank == 0:
     json.dump(runs, open(out, "w"))
 dist.barrier()
-dist.destroy_process_group()
+dist.destroy_process_group()  # gloo left to the interpreter's exit can abort the process
 """
+
+
+def _serve_bare(tmp_path, path, world: int, runs: list) -> list[dict]:
+    """Each run ([GenSpec fields, ...], [request ids to cancel]) through a bare serving loop on
+    `world` ranks (prefill budget 8, cold rows): its stats and each request's result."""
+    init, out = tmp_path / f"init{world}", tmp_path / f"out{world}.json"
+    ranks = [subprocess.Popen([sys.executable, "-c", BARE_LOOP_RANK, str(r), str(world), str(init), str(path),
+                               str(out), json.dumps(runs)], stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for r, rank in enumerate(ranks):
+        _, err = rank.communicate(timeout=240)
+        assert rank.returncode == 0, (r, err[-3000:])
+    return json.loads(out.read_text())
+
+
+def _tiny_llama(path):
+    """A random llama whose 161-token vocabulary splits unevenly over 2 ranks, saved at `path`."""
+    import torch
+    from model_fixtures import COMMON, randomize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **{**COMMON, "vocab_size": 161}, hidden_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=96)
+    torch.manual_seed(0)
+    model = randomize(AutoModelForCausalLM.from_config(config).eval())
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prompt_logprobs_match_transformers(tmp_path, world):
+    """Every prompt position's log-probability of the next prompt token and its top alternatives,
+    from the ranks' vocabulary slices (161 tokens: uneven at TP=2), as transformers' log_softmax
+    gives them, for a prompt chunked over three prefill steps and a short one beside it."""
+    import torch
+    from model_fixtures import make_prompt
+
+    model = _tiny_llama(tmp_path / "tiny")
+    asks = [[make_prompt(161, 20, seed=1), 3], [make_prompt(161, 6, seed=2), 0]]
+    specs = [dict(request_id=f"r{i}", prompt=prompt, max_tokens=1, prompt_logprobs=n) for i, (prompt, n) in enumerate(asks)]
+    specs.append(dict(request_id="plain", prompt=asks[0][0][:5], max_tokens=1))  # beside them, batched
+    (run,) = _serve_bare(tmp_path, tmp_path / "tiny", world, [[specs, []]])
+    served = {rid: row["prompt_logprobs"] for rid, row in run["rows"].items()}
+    assert served["plain"] is None
+    for i, (prompt, n) in enumerate(asks):
+        with torch.no_grad():
+            reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)  # (T, V)
+        entries = served[f"r{i}"]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for position, (logprob, top) in enumerate(entries[1:]):
+            expected = reference[position]
+            assert abs(logprob - float(expected[prompt[position + 1]])) < 1e-4, (i, position)
+            values, ids = expected.topk(n)
+            assert [token for token, _ in top] == ids.tolist(), (i, position)
+            assert torch.allclose(torch.tensor([lp for _, lp in top]), values, atol=1e-4), (i, position)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
@@ -322,16 +309,10 @@ def test_equal_prompts_are_prefilled_once_and_each_row_samples_as_if_alone(tmp_p
     for bit: a seeded prompt is computed alone, so the copy equals a cold prefill). When the
     computing row is cancelled part-way, a waiting row computes the prompt itself. At TP=2, a
     dense model (uneven vocabulary slices) and a hybrid one (recurrent state copied too)."""
-    import torch
-    from model_fixtures import COMMON, make_prompt, randomize
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from model_fixtures import make_prompt
 
     if family == "llama":
-        config = AutoConfig.for_model("llama", **{**COMMON, "vocab_size": 161}, hidden_size=64,
-                                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
-        torch.manual_seed(0)
-        hf = randomize(AutoModelForCausalLM.from_config(config).eval())
-        hf.save_pretrained(tmp_path / "model", safe_serialization=True)
+        hf = _tiny_llama(tmp_path / "model")
     else:
         from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model, set_chunk_size
 
@@ -347,33 +328,26 @@ def test_equal_prompts_are_prefilled_once_and_each_row_samples_as_if_alone(tmp_p
     late = dict(greedy[1], request_id="late", after=3)  # while g0 decodes: it copies the prompt's first 10 tokens
     runs = [[choices + greedy, []], *([[spec], []] for spec in choices + greedy[:1]), [choices[:2], ["c0"]],
             [[greedy[0], late], []]]
-    init, out = tmp_path / "init", tmp_path / "out.json"
-    ranks = [subprocess.Popen([sys.executable, "-c", SHARED_PREFILL_RANK, str(r), "2", str(init),
-                               str(tmp_path / "model"), str(out), json.dumps(runs)], stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    for r, rank in enumerate(ranks):
-        _, err = rank.communicate(timeout=240)
-        assert rank.returncode == 0, (r, err[-3000:])
-    together, *alone, cancelled, later = json.loads(out.read_text())
+    together, *alone, cancelled, later = _serve_bare(tmp_path, tmp_path / "model", 2, runs)
     alone = {rid: row for run in alone for rid, row in run["rows"].items()}
 
     assert together["stats"]["shared_prompt_tokens"] == 2 * len(prompt) + len(other)
-    for rid, (tokens, logprobs, _, reused) in together["rows"].items():
-        lone_tokens, lone_logprobs, _, _ = alone[rid if rid in alone else "g0"]
-        assert tokens == lone_tokens, rid
+    for rid, row in together["rows"].items():
+        lone = alone[rid if rid in alone else "g0"]
+        assert row["tokens"] == lone["tokens"], rid
         if rid[0] == "c":  # seeded: the prompt's logits bit for bit (greedy ones may be chunked otherwise)
-            assert logprobs[0][0] == lone_logprobs[0][0], rid
-        assert [lp for lp, _ in logprobs] == pytest.approx([lp for lp, _ in lone_logprobs], abs=1e-4), rid
-        assert reused == (0 if rid in ("c0", "g0") else len(prompt) if rid[0] == "c" else len(other)), rid
-    assert len({tuple(together["rows"][f"c{i}"][0]) for i in range(3)}) > 1  # each choice draws its own
+            assert row["logprobs"][0][0] == lone["logprobs"][0][0], rid
+        assert [lp for lp, _ in row["logprobs"]] == pytest.approx([lp for lp, _ in lone["logprobs"]], abs=1e-4), rid
+        assert row["reused"] == (0 if rid in ("c0", "g0") else len(prompt) if rid[0] == "c" else len(other)), rid
+    assert len({tuple(together["rows"][f"c{i}"]["tokens"]) for i in range(3)}) > 1  # each choice draws its own
 
-    assert cancelled["rows"]["c0"][2] == "cancelled"
+    assert cancelled["rows"]["c0"]["finish"] == "cancelled"
     assert cancelled["stats"]["shared_prompt_tokens"] == 0
-    assert cancelled["rows"]["c1"][0] == alone["c1"][0]
-    assert cancelled["rows"]["c1"][1][0][0] == alone["c1"][1][0][0]
+    assert cancelled["rows"]["c1"]["tokens"] == alone["c1"]["tokens"]
+    assert cancelled["rows"]["c1"]["logprobs"][0][0] == alone["c1"]["logprobs"][0][0]
 
     # Arriving once g0 decodes, the same prompt copies what g0's row holds of it (a recurrent
     # state cannot be cut to a prefix: the hybrid copies nothing then)
     copied = len(other) - 1 if family == "llama" else 0
     assert later["stats"]["shared_prompt_tokens"] == copied
-    assert later["rows"]["late"][0] == alone["g0"][0] and later["rows"]["late"][3] == copied
+    assert later["rows"]["late"]["tokens"] == alone["g0"]["tokens"] and later["rows"]["late"]["reused"] == copied
