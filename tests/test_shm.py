@@ -76,6 +76,10 @@ def _check_collectives(rank: int, world_size: int, group: shm.ShmGroup) -> None:
                 dist.broadcast(theirs, src)
                 assert torch.equal(ours, theirs), f"broadcast from {src} differs: {dtype} x{numel}"
     assert not group.fits(torch.zeros(group.slot_bytes // 4 + 1))  # larger tensors go to gloo
+    shm._MAX_VIEWS = 1  # the slot views kept per (set, size, dtype) dropped at every new one: made again
+    for numel in (*NUMELS[:3], *NUMELS[:3]):
+        x = _values(torch.float32, numel, rank, exact=True)
+        assert torch.equal(group.all_reduce(x.clone()), sum(_gather(x, world_size))), f"x{numel} after a drop"
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_dir: str) -> None:
