@@ -3,7 +3,8 @@
 Two cache rows decode together with prompts of different lengths (the ragged mask path), then
 one row alone (a passenger row). Layers compile with fullgraph=True, so a graph break (e.g. a
 collective the compiler cannot trace) would leave decode eager and fail the
-`decode_layers is not None` check. TP=2 runs the collectives as custom ops through shared memory.
+`decode_layers is not None` check. TP=2 runs the collectives as custom ops through shared memory,
+and a rank lost inside one must reach the caller as a CollectiveFailed, as in eager decode.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 
 from celerytp.distributed import shm
+from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import TPContext
 from celerytp.models import load_model
 from celerytp.models.compiled import COMPILE_ENV, compile_requested, use_persistent_cache
@@ -44,13 +46,14 @@ def decode_both_rows(model, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return ids, torch.stack(logits)
 
 
-def eager_and_compiled(path: str, tp: TPContext, prompts: list[list[int]]) -> dict:
+def eager_and_compiled(path: str, tp: TPContext, prompts: list[list[int]]) -> tuple[dict, torch.nn.Module]:
+    """The figures to compare, and the compiled model."""
     os.environ[COMPILE_ENV] = "0"
     eager = decode_both_rows(load_model(path, tp, max_context=64, max_batch=2), prompts)
     os.environ[COMPILE_ENV] = "1"
     model = load_model(path, tp, max_context=64, max_batch=2)
     compiled = model.model.decode_layers is not None
-    return {"eager": eager, "compiled": decode_both_rows(model, prompts), "is_compiled": compiled}
+    return {"eager": eager, "compiled": decode_both_rows(model, prompts), "is_compiled": compiled}, model
 
 
 def _check(result: dict) -> None:
@@ -73,7 +76,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list
 def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]]], monkeypatch) -> None:
     path, prompts = checkpoint
     monkeypatch.setenv(COMPILE_ENV, "0")  # restored afterwards: the suite's setting (tests/conftest.py)
-    _check(eager_and_compiled(path, TPContext(), prompts))
+    _check(eager_and_compiled(path, TPContext(), prompts)[0])
 
 
 def _rank(rank: int, path: str, prompts: list[list[int]], init_file: str, out_dir: str) -> None:
@@ -83,13 +86,37 @@ def _rank(rank: int, path: str, prompts: list[list[int]], init_file: str, out_di
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=180))
         assert shm.attach("compiled", "test", rank, 2, 180.0) is not None
-        result = eager_and_compiled(path, TPContext(rank, 2), prompts)
-        shm.detach()
-        dist.destroy_process_group()
+        result, model = eager_and_compiled(path, TPContext(rank, 2), prompts)
+        if rank == 1:
+            torch.save(result, out)
+            _die_in_a_compiled_all_reduce()
+        else:
+            shm.active().timeout_s = 3.0  # rank 1 dies in the next decode: its deadline
+        try:
+            model.decode([0], [True])
+            result["fault"] = "no error"
+        except CollectiveFailed as exc:
+            result["fault"] = ("CollectiveFailed", exc.timed_out)
+        except BaseException as exc:  # noqa: BLE001 - reported as the test's failure
+            result["fault"] = f"{type(exc).__name__}: {exc}"[:300]
         torch.save(result, out)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out)
         raise
+    os._exit(0)  # the peer is gone: no group teardown to wait on
+
+
+def _die_in_a_compiled_all_reduce() -> None:
+    """Exit this process at the first all-reduce a compiled layer calls (through the
+    celerytp::all_reduce op), as a rank lost in the middle of a decode step."""
+    entered = shm.ShmGroup.all_reduce
+
+    def all_reduce(self, *args, **kwargs):
+        if any(frame.name == "_all_reduce_op" for frame in traceback.extract_stack()):
+            os._exit(0)
+        return entered(self, *args, **kwargs)
+
+    shm.ShmGroup.all_reduce = all_reduce
 
 
 def test_compiled_decode_matches_eager_tp2(checkpoint: tuple[str, list[list[int]]], tmp_path: Path) -> None:
@@ -111,6 +138,9 @@ def test_compiled_decode_matches_eager_tp2(checkpoint: tuple[str, list[list[int]
         result = torch.load(out)
         assert "error" not in result, result.get("error")
         _check(result)
+    # A peer lost inside a compiled layer's collective reaches the worker as the collectives'
+    # own error (worker/state.py marks the group broken on it), not as a compiler's RuntimeError.
+    assert torch.load(tmp_path / "rank0.pt")["fault"] == ("CollectiveFailed", True)
 
 
 @pytest.mark.parametrize(("value", "device", "quant", "compiles"), [

@@ -13,8 +13,7 @@ linears are kept quantized, and every dense model on CUDA; `1` compiles every de
 none. On 2-core CPU machines compiling speeds up q4 decode 1.2-1.5x and float32 not at all
 (docs/benchmarks.md), hence `auto`. The compiler's cache (`TORCHINDUCTOR_CACHE_DIR`, set here
 under the worker's cache directory unless the environment sets it) keeps the cost to the first
-start on a machine: ~40 s there, a few seconds on later starts. On a CPU the graph's wrapper
-is inductor's C++ one (no Python between a layer's kernels). On CUDA the same call uses
+start on a machine: ~40 s there, a few seconds on later starts. On CUDA the same call uses
 mode="reduce-overhead" (CUDA graphs). A CUDA graph replays one recorded shape, so there decode
 pads its batch width and the keys it reads to powers of two (`CausalLM.decode_buckets`): a
 graph per bucket, recorded once, instead of one per step as the attended length grows. Prefill
@@ -83,10 +82,8 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         return False
     use_persistent_cache()
     graphs = model.device.type == "cuda"
-    # CUDA: CUDA graphs. CPU: the graph's wrapper in C++ rather than Python (a layer's ~25 argument
-    # checks, allocations and kernel calls cost ~20 µs of Python a layer: ~0.6 ms of a 30-layer step)
-    how = {"mode": "reduce-overhead"} if graphs else {"options": {"cpp_wrapper": True}}
-    decoder.decode_layers = [torch.compile(layer, dynamic=True, fullgraph=True, **how) for layer in decoder.layers]
+    mode = "reduce-overhead" if graphs else None
+    decoder.decode_layers = [torch.compile(layer, dynamic=True, fullgraph=True, mode=mode) for layer in decoder.layers]
     # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
     model.decode_buckets = graphs
@@ -104,6 +101,6 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         return False
     finally:
         model.clear_cache()
-    log.info("compiled decode in %.1f s (%s, cache %s)", time.monotonic() - started, how,
+    log.info("compiled decode in %.1f s (mode=%s, cache %s)", time.monotonic() - started, mode,
              os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return True
