@@ -62,13 +62,17 @@ def _stream_all(leader: Leader, on_running=None) -> dict[str, str]:
     return texts
 
 
+def _all_rose(counts: list[int], before: list[int]) -> bool:
+    return all(n > m for n, m in zip(counts, before, strict=True))
+
+
 def _requests_served(clusters, more_than: list[int]) -> list[int]:
     """Each group's count of requests taken, waiting up to 10 s for every count to pass
     `more_than` (a loop writes its figures from its publisher thread, after the results)."""
     deadline = time.monotonic() + 10
     while True:
         counts = [cluster.leader.serving_stats("smol").get("requests", 0) for cluster in clusters]
-        if all(n > m for n, m in zip(counts, more_than, strict=True)) or time.monotonic() > deadline:
+        if _all_rose(counts, more_than) or time.monotonic() > deadline:
             return counts
         time.sleep(0.2)
 
@@ -87,10 +91,10 @@ def test_both_groups_take_work_from_one_queue(replicas):
         before = [cluster.leader.serving_stats("smol").get("requests", 0) for cluster in (a, b)]
         assert _stream_all(a.leader) == clean
         after = _requests_served((a, b), before)
-        if all(n > m for n, m in zip(after, before, strict=True)):
+        if _all_rose(after, before):
             break
     stats = [cluster.leader.serving_stats("smol") for cluster in (a, b)]  # all the figures, should it fail
-    assert all(n > m for n, m in zip(after, before, strict=True)), (before, after, stats)  # 2 rows each: both took some
+    assert _all_rose(after, before), (before, after, stats)  # 2 rows each: both took some
 
 
 def test_a_group_killed_mid_generation_loses_no_request(replicas):
