@@ -122,11 +122,11 @@ COMMON = dict(vocab_size=160, num_hidden_layers=2, max_position_embeddings=128, 
 
 
 def make_hf_model(model_type: str, kwargs: dict[str, Any], seed: int) -> Any:
-    """A transformers model of any architecture (COMMON + kwargs), randomized by `randomize`."""
+    """A transformers model of any architecture (COMMON, updated by kwargs), randomized by `randomize`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return randomize(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **kwargs)).eval())
+    return randomize(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **(COMMON | kwargs))).eval())
 
 
 def randomize(model: Any) -> Any:

@@ -1,9 +1,10 @@
 """Compiled decode (CELERYTP_COMPILE=1) gives the eager decode's greedy ids and logits.
 
 Two cache rows decode together with prompts of different lengths (the ragged mask path), then
-one row alone (a passenger row). Layers compile with fullgraph=True, so a graph break (e.g. a
-collective the compiler cannot trace) would leave decode eager and fail the
-`decode_layers is not None` check. TP=2 runs the collectives as custom ops through shared memory,
+one row alone (a passenger row). Layers compile in runs with fullgraph=True, so a graph break
+(e.g. a collective the compiler cannot trace) would leave decode eager and fail the
+`decode_runs is not None` check. The 3-layer model compiles as one run at TP=2 and as two runs of
+different lengths at TP=1 (two graphs per width, run one after the other). TP=2 runs the collectives as custom ops through shared memory,
 and a rank lost inside one must reach the caller as a CollectiveFailed, as in eager decode.
 """
 
@@ -24,7 +25,8 @@ from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import TPContext
 from celerytp.models import load_model
-from celerytp.models.compiled import COMPILE_ENV, compile_requested, use_persistent_cache
+from celerytp.models import compiled
+from celerytp.models.compiled import COMPILE_ENV, compile_requested, layer_runs, use_persistent_cache
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -52,12 +54,13 @@ def eager_and_compiled(path: str, tp: TPContext, prompts: list[list[int]]) -> tu
     eager = decode_both_rows(load_model(path, tp, max_context=64, max_batch=2), prompts)
     os.environ[COMPILE_ENV] = "1"
     model = load_model(path, tp, max_context=64, max_batch=2)
-    compiled = model.model.decode_layers is not None
-    return {"eager": eager, "compiled": decode_both_rows(model, prompts), "is_compiled": compiled}, model
+    runs = len(model.model.decode_runs or [])
+    return {"eager": eager, "compiled": decode_both_rows(model, prompts), "runs": runs}, model
 
 
-def _check(result: dict) -> None:
-    assert result["is_compiled"], "decode fell back to eager (see the log for the graph break)"
+def _check(result: dict, runs: int) -> None:
+    assert result["runs"], "decode fell back to eager (see the log for the graph break)"
+    assert result["runs"] == runs
     (eager_ids, eager_logits), (ids, logits) = result["eager"], result["compiled"]
     assert ids == eager_ids
     torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=0)
@@ -66,7 +69,7 @@ def _check(result: dict) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]]]:
     model_type, kwargs = TINY_CONFIGS["llama_gqa_bias"]
-    hf = make_hf_model(model_type, kwargs, seed=11)
+    hf = make_hf_model(model_type, kwargs | {"num_hidden_layers": 3}, seed=11)
     path = tmp_path_factory.mktemp("compiled")
     hf.save_pretrained(path)
     vocab = hf.config.vocab_size
@@ -76,7 +79,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list
 def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]]], monkeypatch) -> None:
     path, prompts = checkpoint
     monkeypatch.setenv(COMPILE_ENV, "0")  # restored afterwards: the suite's setting (tests/conftest.py)
-    _check(eager_and_compiled(path, TPContext(), prompts)[0])
+    monkeypatch.setattr(compiled, "LAYERS_PER_GRAPH", 2)  # runs of 1 and 2 layers
+    _check(eager_and_compiled(path, TPContext(), prompts)[0], runs=2)
+
+
+def test_layers_are_cut_into_even_consecutive_runs() -> None:
+    layers = list(range(30))
+    assert [len(run) for run in layer_runs(layers, 5)] == [5] * 6
+    for count in (1, 2, 3, 7, 24, 31):
+        runs = layer_runs(list(range(count)), 5)
+        assert [layer for run in runs for layer in run] == list(range(count))  # all, in order
+        assert len(runs) == -(-count // 5) and max(map(len, runs)) - min(map(len, runs)) <= 1
 
 
 def _rank(rank: int, path: str, prompts: list[list[int]], init_file: str, out_dir: str) -> None:
@@ -137,7 +150,7 @@ def test_compiled_decode_matches_eager_tp2(checkpoint: tuple[str, list[list[int]
         assert out.exists(), f"rank {r} wrote no result"
         result = torch.load(out)
         assert "error" not in result, result.get("error")
-        _check(result)
+        _check(result, runs=1)
     # A peer lost inside a compiled layer's collective reaches the worker as the collectives'
     # own error (worker/state.py marks the group broken on it), not as a compiler's RuntimeError.
     assert torch.load(tmp_path / "rank0.pt")["fault"] == ("CollectiveFailed", True)

@@ -1,12 +1,16 @@
-"""Compiled decode: each decoder layer's decode step through torch.compile, where it pays.
+"""Compiled decode: the decoder layers' decode step through torch.compile, where it pays.
 
 An eager decode step of a 30-layer model dispatches ~1,800 small torch ops; compiling fuses the
 elementwise ones (norms, rotary, SwiGLU, residuals, dtype casts) around the matmul and attention
-kernels. The collectives are custom ops (celerytp/distributed/tp.py), so a layer is one graph.
-Shapes are dynamic (the attended length grows every step, the batch with the running rows), so
-one graph per layer kind serves every step, every batch width and every layer (the layers share
-their code; parameters are graph inputs). torch specializes a width of 1 apart from the others,
-so a load warms up both (widths 1 and 2): no request pays a compile.
+kernels. The collectives are custom ops (celerytp/distributed/tp.py), so layers stay one graph.
+The layers compile in runs of about LAYERS_PER_GRAPH consecutive ones (`run_layers` over each
+run): every call into a compiled graph pays ~50 µs of guards and wrappers, 30 times a step when
+each layer was its own graph; a run of 5 pays it 6 times and compiles in the time one layer did,
+where the whole stack as one graph took minutes (docs/benchmarks.md). Shapes are dynamic (the
+attended length grows every step, the batch with the running rows) and parameters are graph
+inputs, so one graph serves every step, every batch width and every run of the same layers.
+torch specializes a width of 1 apart from the others, so a load warms up both (widths 1 and 2):
+no request pays a compile.
 
 `CELERYTP_COMPILE` in the worker's environment: `auto` (default) compiles dense models whose
 linears are kept quantized, and every dense model on CUDA; `1` compiles every dense model, `0`
@@ -25,13 +29,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from celerytp.layers.kv_cache import bucket
+from celerytp.models.decoder import run_layers
 
 if TYPE_CHECKING:
     from celerytp.models.base import CausalLM
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 COMPILE_ENV = "CELERYTP_COMPILE"
 CACHE_ENV = "CELERYTP_CACHE_DIR"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+LAYERS_PER_GRAPH = 5  # 5 to 10 decode alike on the shipped model; 10 compiles twice as long
 
 
 def compile_requested(model: CausalLM) -> bool:
@@ -71,19 +78,32 @@ def use_persistent_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
+def layer_runs(layers: Sequence[torch.nn.Module], size: int) -> list[tuple[torch.nn.Module, ...]]:
+    """`layers` in order, cut into ceil(n / size) consecutive runs as even as can be: at most two
+    run lengths, so at most two graphs per batch width for a model whose layers are alike."""
+    count = -(-len(layers) // size)
+    bounds = [len(layers) * i // count for i in range(count + 1)]
+    return [tuple(layers[bounds[i]:bounds[i + 1]]) for i in range(count)]
+
+
 def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = None) -> bool:
-    """Give `model` compiled decode layers and compile them now, with decode steps of widths 1 and
-    2 (every rank loads at once, so their collectives meet). A graph break or a compiler failure
-    leaves decode eager (logged) and returns False. The same code and shapes fail alike on
-    every rank, so the ranks stay in step."""
+    """Give `model` compiled runs of decode layers and compile them now, with decode steps of
+    widths 1 and 2 (every rank loads at once, so their collectives meet). A graph break or a
+    compiler failure leaves decode eager (logged) and returns False. The same code and shapes
+    fail alike on every rank, so the ranks stay in step."""
     decoder = model.model
-    if not hasattr(decoder, "decode_layers"):
+    if not hasattr(decoder, "decode_runs"):
         log.info("%s: %s decodes eagerly (only dense models compile)", COMPILE_ENV, type(model).__name__)
         return False
     use_persistent_cache()
     graphs = model.device.type == "cuda"
     mode = "reduce-overhead" if graphs else None
-    decoder.decode_layers = [torch.compile(layer, dynamic=True, fullgraph=True, mode=mode) for layer in decoder.layers]
+    runs = layer_runs(decoder.layers, LAYERS_PER_GRAPH)
+    # Runs whose layers differ (sliding and global attention) are graphs of their own: up to two per
+    # run (widths 1 and more). Isolated, so that other models loaded here do not count against it.
+    step = torch.compile(run_layers, dynamic=True, fullgraph=True, mode=mode, isolate_recompiles=True,
+                         recompile_limit=max(8, 2 * len(runs)))
+    decoder.decode_runs = [partial(step, run) for run in runs]
     # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
     model.decode_buckets = graphs
@@ -96,11 +116,11 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
             model.decode([0] * width, [True] * width)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: run eagerly, as without the switch
         log.warning("%s: compiling decode failed, decoding eagerly: %s: %s", COMPILE_ENV, type(exc).__name__, exc)
-        decoder.decode_layers = None
+        decoder.decode_runs = None
         model.decode_buckets = False
         return False
     finally:
         model.clear_cache()
-    log.info("compiled decode in %.1f s (mode=%s, cache %s)", time.monotonic() - started, mode,
-             os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    log.info("compiled decode in %.1f s (%d runs of layers, mode=%s, cache %s)", time.monotonic() - started,
+             len(runs), mode, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return True

@@ -6,7 +6,7 @@ plus, only where it differs, a subclass here: gemma3's extra norms, phi3's packe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -78,6 +78,16 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def run_layers(
+    layers: Sequence[DecoderLayer], h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], slots: CacheSlots
+) -> torch.Tensor:
+    """`layers` in turn over `h`, each with its rotary table. Compiled decode compiles this over a
+    run of layers (models/compiled.py), so the layers of a run are one graph."""
+    for layer in layers:
+        h = layer(h, *tables[layer.rope], slots)
+    return h
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
 
@@ -95,7 +105,8 @@ class DecoderModel(nn.Module):
         self.rotary_embs = nn.ModuleList(
             RotaryEmbedding(rotary, options.max_context, rope, device=options.device) for rope in ropes
         )
-        self.decode_layers: list[Callable[..., torch.Tensor]] | None = None  # compiled (models/compiled.py)
+        # Compiled decode (models/compiled.py): `run_layers` over consecutive runs of the layers.
+        self.decode_runs: list[Callable[..., torch.Tensor]] | None = None
 
     def forward(self, ids: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
         h = self.embed_tokens(ids)  # (B, T, D)
@@ -105,9 +116,11 @@ class DecoderModel(nn.Module):
         for rotary in self.rotary_embs:
             cos, sin = rotary(slots.positions, h.dtype)  # (B, T, rotary_dim) each
             tables.append((cos[:, None], sin[:, None]))  # (B, 1, T, rotary_dim): broadcast over heads
-        decoding = slots.writes is not None
-        for layer in self.decode_layers if decoding and self.decode_layers else self.layers:
-            h = layer(h, *tables[layer.rope], slots)
+        if slots.writes is not None and self.decode_runs:
+            for run in self.decode_runs:
+                h = run(h, tables, slots)
+        else:
+            h = run_layers(self.layers, h, tables, slots)
         return self.norm(h)
 
 
