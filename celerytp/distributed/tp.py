@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 
 from celerytp.core.step_clock import timed
 from celerytp.distributed import shm
-from celerytp.distributed.control import checked
+from celerytp.distributed.control import CollectiveFailed, checked
 
 # Tests set this on every rank to prove that the model's group carries model tensors only (the
 # two-channel rule, docs/design.md): any other tensor handed to it is refused loudly.
@@ -119,12 +121,41 @@ _LIB.define("all_reduce(Tensor tensor, int key) -> Tensor")
 _LIB.define("gather_last_dim(Tensor tensor, int key, int[] sizes) -> Tensor")
 
 
+class _OpFailure(threading.local):
+    """The CollectiveFailed an op last raised on this thread. A compiled graph whose wrapper is C++
+    (inductor's cpp_wrapper) reports an op's exception as a plain RuntimeError naming the op, so
+    its caller looks the collectives' own error up here (`collective_failure`)."""
+
+    error: CollectiveFailed | None = None
+
+
+_OP_FAILURE = _OpFailure()
+
+
+def _recording_failure(collective: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    try:
+        return collective(*args)
+    except CollectiveFailed as exc:
+        _OP_FAILURE.error = exc
+        raise
+
+
 def _all_reduce_op(tensor: torch.Tensor, key: int) -> torch.Tensor:
-    return _CONTEXTS[key].all_reduce(tensor.clone())
+    return _recording_failure(_CONTEXTS[key].all_reduce, tensor.clone())
 
 
 def _gather_last_dim_op(tensor: torch.Tensor, key: int, sizes: list[int]) -> torch.Tensor:
-    return _CONTEXTS[key].gather_last_dim(tensor.contiguous(), sizes)
+    return _recording_failure(_CONTEXTS[key].gather_last_dim, tensor.contiguous(), sizes)
+
+
+def forget_collective_failure() -> None:
+    """Drop a failure recorded by an op, before code whose failures `collective_failure` reads."""
+    _OP_FAILURE.error = None
+
+
+def collective_failure() -> CollectiveFailed | None:
+    """The CollectiveFailed a collective op raised on this thread since `forget_collective_failure`."""
+    return _OP_FAILURE.error
 
 
 _LIB.impl("all_reduce", _all_reduce_op, "CompositeExplicitAutograd")

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from celerytp.distributed.control import CollectiveFailed
+from celerytp.distributed.tp import collective_failure, forget_collective_failure
 from celerytp.layers.kv_cache import bucket
 from celerytp.models.decoder import run_layers
 
@@ -86,6 +88,20 @@ def layer_runs(layers: Sequence[torch.nn.Module], size: int) -> list[tuple[torch
     return [tuple(layers[bounds[i]:bounds[i + 1]]) for i in range(count)]
 
 
+def run_compiled(step: Callable[..., torch.Tensor], layers: tuple[torch.nn.Module, ...], *args: object) -> torch.Tensor:
+    """`step` (compiled `run_layers`) over `layers`. Its C++ wrapper reports an exception of a
+    collective op as a RuntimeError naming the op: the collectives' own CollectiveFailed is raised
+    instead, which the worker marks its group broken on (worker/state.py)."""
+    forget_collective_failure()
+    try:
+        return step(layers, *args)
+    except RuntimeError as exc:
+        failure = collective_failure()
+        if failure is None or isinstance(exc, CollectiveFailed):
+            raise
+        raise failure from exc
+
+
 def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = None) -> bool:
     """Give `model` compiled runs of decode layers and compile them now, with decode steps of
     widths 1 and 2 (every rank loads at once, so their collectives meet). A graph break or a
@@ -97,13 +113,14 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         return False
     use_persistent_cache()
     graphs = model.device.type == "cuda"
-    mode = "reduce-overhead" if graphs else None
+    # CUDA: graphs. CPU: the code around a graph's kernels in C++, ~0.5 ms a step less than Python.
+    mode, options = ("reduce-overhead", None) if graphs else (None, {"cpp_wrapper": True})
     runs = layer_runs(decoder.layers, LAYERS_PER_GRAPH)
     # Runs whose layers differ (sliding and global attention) are graphs of their own: up to two per
     # run (widths 1 and more). Isolated, so that other models loaded here do not count against it.
-    step = torch.compile(run_layers, dynamic=True, fullgraph=True, mode=mode, isolate_recompiles=True,
-                         recompile_limit=max(8, 2 * len(runs)))
-    decoder.decode_runs = [partial(step, run) for run in runs]
+    step = torch.compile(run_layers, dynamic=True, fullgraph=True, mode=mode, options=options,
+                         isolate_recompiles=True, recompile_limit=max(8, 2 * len(runs)))
+    decoder.decode_runs = [partial(run_compiled, step, run) for run in runs]
     # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
     model.decode_buckets = graphs
@@ -121,6 +138,6 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         return False
     finally:
         model.clear_cache()
-    log.info("compiled decode in %.1f s (%d runs of layers, mode=%s, cache %s)", time.monotonic() - started,
-             len(runs), mode, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+    log.info("compiled decode in %.1f s (%d runs of layers, mode=%s, options=%s, cache %s)",
+             time.monotonic() - started, len(runs), mode, options, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return True
