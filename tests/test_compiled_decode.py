@@ -24,8 +24,7 @@ from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import TPContext
-from celerytp.models import load_model
-from celerytp.models import compiled
+from celerytp.models import compiled, load_model
 from celerytp.models.compiled import COMPILE_ENV, compile_requested, layer_runs, use_persistent_cache
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,8 @@ linears are kept quantized, and every dense model on CUDA; `1` compiles every de
 none. On 2-core CPU machines compiling speeds up q4 decode 1.2-1.5x and float32 not at all
 (docs/benchmarks.md), hence `auto`. The compiler's cache (`TORCHINDUCTOR_CACHE_DIR`, set here
 under the worker's cache directory unless the environment sets it) keeps the cost to the first
-start on a machine: ~40 s there, a few seconds on later starts. On CUDA the same call uses
+start on a machine: ~30 s there, a few seconds on later starts. On a CPU the graphs' wrapper is
+C++ (`cpp_wrapper`: ~0.5 ms a step less than Python); on CUDA the same call uses
 mode="reduce-overhead" (CUDA graphs). A CUDA graph replays one recorded shape, so there decode
 pads its batch width and the keys it reads to powers of two (`CausalLM.decode_buckets`): a
 graph per bucket, recorded once, instead of one per step as the attended length grows. Prefill
