@@ -2,10 +2,11 @@
 
 Two cache rows decode together with prompts of different lengths (the ragged mask path), then
 one row alone (a passenger row). Layers compile in runs with fullgraph=True, so a graph break
-(e.g. a collective the compiler cannot trace) would leave decode eager and fail the
-`decode_runs is not None` check. The 3-layer model compiles as one run at TP=2 and as two runs of
-different lengths at TP=1 (two graphs per width, run one after the other). TP=2 runs the collectives as custom ops through shared memory,
-and a rank lost inside one must reach the caller as a CollectiveFailed, as in eager decode.
+(e.g. a collective the compiler cannot trace) would leave decode eager and fail the check that
+the model decodes through compiled runs. The 3-layer model compiles as one run at TP=2 and as
+two runs of different lengths at TP=1 (two graphs per width, one after the other). TP=2 runs the
+collectives as custom ops through shared memory, and a rank lost inside one must reach the
+caller as a CollectiveFailed, as in eager decode.
 """
 
 from __future__ import annotations
