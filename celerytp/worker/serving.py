@@ -231,7 +231,7 @@ class ServingLoop:
             return plan
         self.stats["steps"] += 1
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.running))
-        scores = timed("forward", lambda: self._scores(self._forward()))
+        scores = timed("forward", lambda: self._scores(*self._forward()))
         if self.is_sampler and scores is not None:
             self._guarded(lambda: timed("sampling", lambda: self._sample(scores)))
         return plan
@@ -399,23 +399,28 @@ class ServingLoop:
 
     # ---- every rank: the forwards --------------------------------------------------------
 
-    def _forward(self) -> list[tuple[Sequence, torch.Tensor]]:
-        """Decode running rows, prefill admitted ones within the budget; this rank's vocabulary
-        slice of the logits of each row to sample."""
-        out: list[tuple[Sequence, torch.Tensor]] = []
+    def _forward(self) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Decode running rows, prefill admitted ones within the budget: the rows to sample and
+        this rank's vocabulary slice of their logits, (S, V_local) in the same order. A step of
+        decoding rows alone hands on the decode's own output: no copy (3 MiB at 16 rows)."""
+        seqs: list[Sequence] = []
+        parts: list[torch.Tensor] = []
         decoding = [seq for seq in self.running.values() if not seq.prefilling and seq.next_token >= 0]
         if decoding:
             width = max(seq.row for seq in decoding) + 1
             tokens, active = [0] * width, [False] * width
             for seq in decoding:
                 tokens[seq.row], active[seq.row] = seq.next_token, True
-            logits = self.model.decode(tokens, active, gather=False)  # (A, V_local) in row order
-            for seq, row_logits in zip(sorted(decoding, key=lambda s: s.row), logits):
+            parts.append(self.model.decode(tokens, active, gather=False))  # (A, V_local) in row order
+            seqs += sorted(decoding, key=lambda s: s.row)
+            for seq in seqs:
                 self.row_tokens[seq.row].append(seq.next_token)
                 seq.next_token = -1
-                out.append((seq, row_logits))
-        out += self._prefill([seq for seq in self.running.values() if seq.prefilling])
-        return out
+        prefilled = self._prefill([seq for seq in self.running.values() if seq.prefilling])
+        if prefilled:
+            seqs += [seq for seq, _ in prefilled]
+            parts.append(torch.stack([row_logits for _, row_logits in prefilled]))
+        return seqs, (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
 
     def _prefill(self, waiting: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
         for seq in waiting:
@@ -495,16 +500,14 @@ class ServingLoop:
         self.row_tokens[seq.row].extend(seq.spec.prompt[seq.fed : end])
         seq.fed = end
 
-    def _scores(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> Scores | None:
-        """Every rank: join the rows' vocabulary slices as rank 0's sampling needs them, in one
-        collective: each rank's top candidates per row (ParallelLMHead.top_candidates) and its
-        own draws for rows drawn over the whole vocabulary; the whole logits only in a step where
-        a row needs them (worker/sampling.py `slice_mode`). Every rank decides the same way, from
-        the rows' parameters that every rank holds."""
-        if not sampled:
+    def _scores(self, seqs: list[Sequence], local: torch.Tensor | None) -> Scores | None:
+        """Every rank: join the rows' vocabulary slices (`local`, (S, V_local)) as rank 0's sampling
+        needs them, in one collective: each rank's top candidates per row
+        (ParallelLMHead.top_candidates) and its own draws for rows drawn over the whole vocabulary;
+        the whole logits only in a step where a row needs them (worker/sampling.py `slice_mode`).
+        Every rank decides the same way, from the rows' parameters that every rank holds."""
+        if local is None:
             return None
-        seqs = [seq for seq, _ in sampled]
-        local = torch.stack([row_logits for _, row_logits in sampled])  # (S, V_local)
         forced = [seq.forced.pop(0) if seq.forced else None for seq in seqs]
         # a constrained row needs its whole logits on rank 0 for its grammar's mask
         modes = [WHOLE if seq.spec.grammar is not None else slice_mode(seq.params, f is not None)
