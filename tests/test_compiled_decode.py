@@ -86,6 +86,7 @@ def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]
 def test_layers_are_cut_into_even_consecutive_runs() -> None:
     layers = list(range(30))
     assert [len(run) for run in layer_runs(layers, 5)] == [5] * 6
+    assert layer_runs([], 5) == []
     for count in (1, 2, 3, 7, 24, 31):
         runs = layer_runs(list(range(count)), 5)
         assert [layer for run in runs for layer in run] == list(range(count))  # all, in order

@@ -84,6 +84,8 @@ def use_persistent_cache() -> None:
 def layer_runs(layers: Sequence[torch.nn.Module], size: int) -> list[tuple[torch.nn.Module, ...]]:
     """`layers` in order, cut into ceil(n / size) consecutive runs as even as can be: at most two
     run lengths, so at most two graphs per batch width for a model whose layers are alike."""
+    if not layers:
+        return []
     count = -(-len(layers) // size)
     bounds = [len(layers) * i // count for i in range(count + 1)]
     return [tuple(layers[bounds[i]:bounds[i + 1]]) for i in range(count)]

@@ -420,7 +420,9 @@ class ServingLoop:
         if prefilled:
             seqs += [seq for seq, _ in prefilled]
             parts.append(torch.stack([row_logits for _, row_logits in prefilled]))
-        return seqs, (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        if not parts:
+            return seqs, None
+        return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _prefill(self, waiting: list[Sequence]) -> list[tuple[Sequence, torch.Tensor]]:
         for seq in waiting:
