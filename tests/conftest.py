@@ -5,16 +5,20 @@ from __future__ import annotations
 # hypothesis is imported at start-up: imported late (by its plugin's end-of-run summary, under
 # assertion rewriting) it trips CPython 3.11.7's AST recursion check and fails the whole run.
 import os
+import socket
+import subprocess
+import time
 
 import hypothesis  # noqa: F401
 import pytest
+import redis
 
 # Decode compiles by default for quantized models (models/compiled.py). Compiling at every test
 # cluster's load would cost minutes, so the suite decodes eagerly (workers inherit this), and
 # tests/test_compiled_decode.py checks compiled decode against eager.
 os.environ.setdefault("CELERYTP_COMPILE", "0")
 
-from celerytp.cluster import LocalCluster
+from celerytp.cluster import LocalCluster, find_redis_server
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +26,25 @@ def cluster2():
     """A two-rank LocalCluster shared by a module's tests (each test leaves it usable)."""
     with LocalCluster(world_size=2, group="t2") as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A private redis-server alone (no ranks), for a module's tests of Redis clients."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+                              stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    server.terminate()
+    server.wait(10)

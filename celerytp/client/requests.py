@@ -3,10 +3,11 @@
 A request goes onto the model's Redis queue, which every group serving the model (its replicas)
 pulls from; the submitter starts the serving loop of each replica that has none. Its tokens
 (when streamed) and its result come back on the request's Redis Stream, readable from any
-process. A request outlives the group that runs it: when that group fails, its requests go
-back to the queue and resume elsewhere (worker/request_source.py), and the waiter here only
-makes sure some loop will take them: it gives back what a dead group held, starts a loop, or
-heals a group when none can run. A waiter whose request Redis lost queues it again.
+process (a process reads all the streams it follows with one XREAD: client/stream_follower.py).
+A request outlives the group that runs it: when that group fails, its requests go back to the
+queue and resume elsewhere (worker/request_source.py), and the waiter here only makes sure some
+loop will take them: it gives back what a dead group held, starts a loop, or heals a group when
+none can run. A waiter whose request Redis lost queues it again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import redis
 
+from celerytp.client.stream_follower import StreamFollower
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import cancel_key, inflight_key, loop_key, queue_key, replicas_key, request_key, stream_key
 from celerytp.core.protocol import RowResult
@@ -29,6 +31,7 @@ from celerytp.core.stream_record import StreamRecord
 log = logging.getLogger(__name__)
 
 LOOP_START_TTL_S = 120  # the loop flag until the loop's rank 0 takes it over (it may queue behind an op)
+EVENT_WAIT_S = 0.25  # a waiter's longest wait for its stream's next entries between its checks
 STRANDED_CHECK_S = 0.5  # how often a waiter with no news checks that a loop will take its request
 LOST_AFTER_S = 1.0  # no marker, no stream, not queued this long: Redis lost the request, queue it again
 MAX_REQUEUES = 3  # times a waiter queues again a request that Redis lost
@@ -64,6 +67,7 @@ class RequestQueues:
         self._submit = client.register_script(SUBMIT)
         self._reclaim = client.register_script(RECLAIM)
         self._followed: dict[str, tuple[str, str]] = {}  # request id -> (model id, queued JSON)
+        self._streams = StreamFollower(client)
 
     def submit(self, model_id: str, spec: dict, max_queue: int, timeout: float) -> PendingRequest:
         """Queue `spec` (a GenSpec) for `model_id`, to be taken within `timeout` seconds;
@@ -124,24 +128,26 @@ class RequestQueues:
         """The request's tokens (if streamed), each once and in order, then its result; raises its
         error or a timeout (and leaves the queue)."""
         key = stream_key(request_id)
-        last, checked, missing, requeued, expected = "0-0", time.monotonic(), 0, 0, 0
+        checked, missing, requeued, expected = time.monotonic(), 0, 0, 0
         finished = False
+        follow = None
         try:
+            follow = self._streams.follow(key)
             while True:
                 now = time.monotonic()
                 if now > deadline:
                     self._redis.lrem(queue_key(model_id), 1, item)
                     raise CeleryTPError(ErrorKind.TIMEOUT, f"request {request_id}: no result within the deadline")
-                reply = self._redis.xread({key: last}, count=256, block=int(min(0.25, deadline - now) * 1000) + 1)
-                if not reply:
+                entries = follow.get(timeout=min(EVENT_WAIT_S, deadline - now))
+                if entries is None:
                     if now - checked > STRANDED_CHECK_S:
                         checked = now
                         missing = 0 if self._ensure_taken(model_id, request_id, item) else missing + 1
                         if missing * STRANDED_CHECK_S > LOST_AFTER_S:  # for longer than any flag refresh gap
-                            requeued, missing, last = self._requeue(model_id, request_id, item, requeued), 0, "0-0"
+                            requeued, missing = self._requeue(model_id, request_id, item, requeued), 0
+                            self._streams.rewind(follow)
                     continue
-                for entry_id, fields in reply[0][1]:
-                    last = entry_id
+                for _, fields in entries:
                     record = StreamRecord.from_fields(fields)
                     if record.token is not None:
                         if record.index >= expected:  # below: a resumed request's earlier holder wrote it too
@@ -159,6 +165,8 @@ class RequestQueues:
         except redis.RedisError as exc:
             raise unavailable(exc) from None
         finally:
+            if follow is not None:
+                self._streams.drop(follow)
             # Abandoned (the caller stopped iterating, was interrupted, or its wait failed): cancel it,
             # so its row frees within a few steps. The cancel key is left to its TTL: rank 0 reads it later.
             self._followed_end(request_id, key, abandoned=not finished)

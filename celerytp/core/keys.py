@@ -57,6 +57,12 @@ def stream_key(request_id: str) -> str:
     return f"celerytp:stream:{request_id}"
 
 
+def wake_key(follower_id: str) -> str:
+    """Redis Stream a leader process's stream follower reads beside the request streams: an entry
+    added there makes its blocking XREAD return, to read a stream that it did not read yet."""
+    return f"celerytp:wake:{follower_id}"
+
+
 def cancel_key(request_id: str) -> str:
     """Set to cancel a request; the rank 0 that holds it checks it while decoding."""
     return f"celerytp:cancel:{request_id}"
