@@ -1,10 +1,13 @@
 """A process's request streams read by one XREAD (client/stream_follower.py), against a real
 redis-server: every stream gets its entries in order, a stream followed while the reader blocks
-is read at once, a rewound stream is read again, and a failed read reaches its waiters without
-ending the reader."""
+is read at once, a rewound stream is read again, two waiters of one stream get every entry each,
+a forked child reads with its own thread, and a failed read reaches its waiters without ending
+the reader."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 
 import pytest
@@ -12,6 +15,16 @@ import redis
 
 from celerytp.client import stream_follower
 from celerytp.client.stream_follower import StreamFollower
+
+
+def indexes(follow, count: int) -> list[int]:
+    """The next `count` entries' indexes, over as many reads as they take."""
+    seen: list[int] = []
+    while len(seen) < count:
+        entries = follow.get(timeout=5)
+        assert entries is not None, f"only {seen} within 5 s"
+        seen += [int(fields[b"index"]) for _, fields in entries]
+    return seen
 
 
 def xreads(client: redis.Redis) -> int:
@@ -31,8 +44,7 @@ def test_one_read_a_step_serves_every_stream(redis_url):
             pipe.xadd(key, {"index": step})
         pipe.execute()
         for follow in follows:
-            entries = follow.get(timeout=5)
-            assert [int(fields[b"index"]) for _, fields in entries] == [step]
+            assert indexes(follow, 1) == [step]
     # A reader per stream makes 16 reads a step; one reader makes one, or a few when a read
     # returns between the pipeline's writes.
     assert xreads(client) - before <= 3 * steps
@@ -60,16 +72,43 @@ def test_a_rewound_stream_is_read_again_from_its_first_entry(redis_url):
     follow = follower.follow("rewound")
     for index in range(2):
         client.xadd("rewound", {"index": index})
-    seen = []
-    while len(seen) < 2:
-        seen += [int(fields[b"index"]) for _, fields in follow.get(timeout=5)]
-    assert seen == [0, 1]
+    assert indexes(follow, 2) == [0, 1]
     follower.rewind(follow)
-    entries = follow.get(timeout=5)
-    assert [int(fields[b"index"]) for _, fields in entries] == [0, 1]
+    assert indexes(follow, 2) == [0, 1]
     follower.drop(follow)
     client.xadd("rewound", {"index": 2})
     assert follow.get(timeout=0.3) is None  # dropped: nothing more is handed over
+
+
+def test_two_waiters_of_one_stream_each_get_every_entry(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    follower = StreamFollower(client)
+    early = follower.follow("twice")
+    for index in range(3):
+        client.xadd("twice", {"index": index})
+    assert indexes(early, 3) == [0, 1, 2]
+    late = follower.follow("twice")  # a redelivered front-door task follows the same request
+    client.xadd("twice", {"index": 3})
+    assert indexes(late, 4) == [0, 1, 2, 3]
+    assert indexes(early, 1) == [3]  # not again what it had
+    follower.drop(early), follower.drop(late)
+
+
+def test_a_forked_child_follows_with_its_own_reader(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    follower = StreamFollower(client)
+    parent = follower.follow("before-fork")  # the parent's reader thread runs, and holds a follow
+
+    def child() -> None:  # without a reader of its own the child's wait would time out
+        follow = follower.follow("in-child")
+        redis.Redis.from_url(redis_url).xadd("in-child", {"index": 0})
+        os._exit(0 if follow.get(timeout=5) is not None else 1)
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(30)
+    assert process.exitcode == 0
+    follower.drop(parent)
 
 
 def test_a_failed_read_reaches_every_waiter_and_the_reader_lives_on(redis_url):

@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import redis
@@ -30,13 +31,21 @@ READ_COUNT = 256  # entries at most per stream and read
 WAKE_TTL_S = 60  # the wake stream outlives any XREAD on it, not the process
 
 
+StreamId = tuple[int, int]  # an entry id, "<ms>-<seq>", as numbers (compared in order)
+
+
+def stream_id(entry_id: bytes | str) -> StreamId:
+    ms, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")
+    return int(ms), int(seq)
+
+
 @dataclass(eq=False)
 class Follow:
-    """One followed stream: the reader puts each read's entries (or its failure) on `inbox`."""
+    """One waiter's stream: the reader puts each read's new entries (or its failure) on `inbox`."""
 
     key: str
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    last: str = "0-0"  # the last entry id handed over (owned by the reader, under the follower's lock)
+    last: StreamId = (0, 0)  # the last entry handed over (owned by the reader, under the follower's lock)
     epoch: int = 0  # bumped by a rewind: a read begun before it is not handed over
 
     def get(self, timeout: float) -> list | None:
@@ -53,24 +62,30 @@ class Follow:
 
 class StreamFollower:
     """Follows request streams for one process, one XREAD for all of them (a daemon thread started
-    with the first stream, and again after a fork)."""
+    with the first stream). Two waiters may follow one stream (a front door's redelivered task
+    follows a request its first delivery still follows): each gets every entry."""
 
     def __init__(self, client: redis.Redis):
         self._redis = client
         self._wake = wake_key(uuid.uuid4().hex)
+        self._reset()
+        method = weakref.WeakMethod(self._reset)  # a forked child has neither the reader nor its waiters
+        os.register_at_fork(after_in_child=lambda: (reset := method()) and reset())
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._follows: dict[str, Follow] = {}
         self._idle = threading.Condition(self._lock)
-        self._reader_pid: int | None = None
+        self._follows: dict[str, list[Follow]] = {}
+        self._reader: threading.Thread | None = None
 
     def follow(self, key: str) -> Follow:
         """Start following the stream `key` from its first entry."""
         follow = Follow(key)
         with self._lock:
-            if self._reader_pid != os.getpid():
-                self._reader_pid = os.getpid()
-                threading.Thread(target=self._read, name="celerytp-streams", daemon=True).start()
-            self._follows[key] = follow
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read, name="celerytp-streams", daemon=True)
+                self._reader.start()
+            self._follows.setdefault(key, []).append(follow)
             self._idle.notify()
         try:
             self._wake_reader()
@@ -82,7 +97,7 @@ class StreamFollower:
     def rewind(self, follow: Follow) -> None:
         """Read `follow`'s stream again from its first entry (it was lost and is being rewritten)."""
         with self._lock:
-            follow.last, follow.epoch = "0-0", follow.epoch + 1
+            follow.last, follow.epoch = (0, 0), follow.epoch + 1
         self._wake_reader()
 
     def drop(self, follow: Follow) -> None:
@@ -90,8 +105,11 @@ class StreamFollower:
             self._drop_locked(follow)
 
     def _drop_locked(self, follow: Follow) -> None:
-        if self._follows.get(follow.key) is follow:
-            del self._follows[follow.key]
+        follows = self._follows.get(follow.key, [])
+        if follow in follows:
+            follows.remove(follow)
+            if not follows:
+                del self._follows[follow.key]
 
     def _wake_reader(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
@@ -105,18 +123,19 @@ class StreamFollower:
             with self._lock:
                 while not self._follows:
                     self._idle.wait()
-                reading = {key: (follow, follow.epoch) for key, follow in self._follows.items()}
-                streams = {key: follow.last for key, follow in self._follows.items()}
+                reading = {key: [(follow, follow.epoch) for follow in follows] for key, follows in self._follows.items()}
+                # From the earliest position of each stream's waiters; each gets only what is new to it.
+                streams = {key: "%d-%d" % min(follow.last for follow in follows) for key, follows in self._follows.items()}
             streams[self._wake] = woken
             try:
                 reply = self._redis.xread(streams, count=READ_COUNT, block=int(READ_BLOCK_S * 1000))
-            except Exception as exc:  # noqa: BLE001 - every waiter gets it; the reader lives on
+            except Exception as exc:  # noqa: BLE001 - every waiter of this read gets it; the reader lives on
                 log.warning("reading request streams failed: %s", exc)
-                for follow, _ in reading.values():
-                    follow.inbox.put(exc)
                 with self._lock:  # a waiter that goes on follows again
-                    for follow, _ in reading.values():
-                        self._drop_locked(follow)
+                    for follows in reading.values():
+                        for follow, _ in follows:
+                            follow.inbox.put(exc)
+                            self._drop_locked(follow)
                 continue
             with self._lock:
                 for raw_key, entries in reply or ():
@@ -124,7 +143,10 @@ class StreamFollower:
                     if key == self._wake:
                         woken = entries[-1][0]
                         continue
-                    follow, epoch = reading[key]
-                    if self._follows.get(key) is follow and follow.epoch == epoch:
-                        follow.last = entries[-1][0]
-                        follow.inbox.put(entries)
+                    for follow, epoch in reading[key]:
+                        if follow.epoch != epoch or follow not in self._follows.get(key, []):
+                            continue  # rewound or dropped while the read was under way
+                        new = [entry for entry in entries if stream_id(entry[0]) > follow.last]
+                        if new:
+                            follow.last = stream_id(new[-1][0])
+                            follow.inbox.put(new)
