@@ -118,35 +118,40 @@ class StreamFollower:
         pipe.execute()
 
     def _read(self) -> None:
-        woken = "0-0"
+        woken = "0-0"  # the last wake entry seen
         while True:
             with self._lock:
                 while not self._follows:
                     self._idle.wait()
                 reading = {key: [(follow, follow.epoch) for follow in follows] for key, follows in self._follows.items()}
-                # From the earliest position of each stream's waiters; each gets only what is new to it.
-                streams = {key: "%d-%d" % min(follow.last for follow in follows) for key, follows in self._follows.items()}
-            streams[self._wake] = woken
             try:
-                reply = self._redis.xread(streams, count=READ_COUNT, block=int(READ_BLOCK_S * 1000))
-            except Exception as exc:  # noqa: BLE001 - every waiter of this read gets it; the reader lives on
+                woken = self._read_once(reading, woken)
+            except Exception as exc:  # noqa: BLE001 - the waiters of this read raise it; the reader lives on
                 log.warning("reading request streams failed: %s", exc)
-                with self._lock:  # a waiter that goes on follows again
+                with self._lock:
                     for follows in reading.values():
                         for follow, _ in follows:
                             follow.inbox.put(exc)
                             self._drop_locked(follow)
-                continue
-            with self._lock:
-                for raw_key, entries in reply or ():
-                    key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-                    if key == self._wake:
-                        woken = entries[-1][0]
-                        continue
-                    for follow, epoch in reading[key]:
-                        if follow.epoch != epoch or follow not in self._follows.get(key, []):
-                            continue  # rewound or dropped while the read was under way
-                        new = [entry for entry in entries if stream_id(entry[0]) > follow.last]
-                        if new:
-                            follow.last = stream_id(new[-1][0])
-                            follow.inbox.put(new)
+
+    def _read_once(self, reading: dict[str, list[tuple[Follow, int]]], woken: str) -> str:
+        """One XREAD of the streams in `reading` (each from its earliest waiter's position) and of
+        the wake stream; hands each waiter what is new to it. Returns the last wake entry seen."""
+        with self._lock:
+            streams = {key: "%d-%d" % min(follow.last for follow, _ in follows) for key, follows in reading.items()}
+        streams[self._wake] = woken
+        reply = self._redis.xread(streams, count=READ_COUNT, block=int(READ_BLOCK_S * 1000))
+        with self._lock:
+            for raw_key, entries in reply or ():
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                if key == self._wake:
+                    woken = entries[-1][0]
+                    continue
+                for follow, epoch in reading[key]:
+                    if follow.epoch != epoch or follow not in self._follows.get(key, []):
+                        continue  # rewound or dropped while the read was under way
+                    new = [entry for entry in entries if stream_id(entry[0]) > follow.last]
+                    if new:
+                        follow.last = stream_id(new[-1][0])
+                        follow.inbox.put(new)
+        return woken
