@@ -55,7 +55,8 @@ class CacheSlots:
 
     @classmethod
     def decode(
-        cls, positions: list[int], active: list[bool], scratch: int, device: torch.device, bucketed: bool = False
+        cls, positions: list[int], active: list[bool], scratch: int, device: torch.device, bucketed: bool = False,
+        masked: bool = False,
     ) -> CacheSlots:
         """One token for each of rows 0..R-1 at its own position; inactive rows are passengers.
 
@@ -64,11 +65,12 @@ class CacheSlots:
         attends to key 0 only, so it disturbs no row and produces no NaN. `bucketed`: the keys
         read run to the next power of two (at least 16), the ones past a row's position masked,
         and the mask and `active` are always given, so a step's shapes change only at bucket
-        boundaries (CUDA graphs record one graph per shape: models/compiled.py).
+        boundaries (CUDA graphs record one graph per shape: models/compiled.py). `masked`: the
+        mask is given even when every row attends to all the keys read (one compiled graph for both).
         """
         live = [p for p, a in zip(positions, active) if a]
         length = max(live) + 1 if live else 1
-        ragged = len(live) < len(positions) or min(live) != length - 1
+        ragged = masked or len(live) < len(positions) or min(live) != length - 1
         if bucketed:
             length, ragged = min(bucket(max(length, 16)), scratch + 1), True
         pos = torch.tensor(positions, device=device)  # (R,)

@@ -78,6 +78,9 @@ class CausalLM(nn.Module):
         # Decode pads the batch width and the keys read to powers of two (CacheSlots.decode), so
         # its shapes come from a small set: set where each new shape costs (CUDA graphs).
         self.decode_buckets = False
+        # Decode always gives attention a mask (CacheSlots.decode), even when no row is ragged:
+        # set by compiled decode, whose graph would otherwise differ with and without one.
+        self.decode_masked = False
 
     @property
     def device(self) -> torch.device:
@@ -153,7 +156,8 @@ class CausalLM(nn.Module):
         if any(a and p >= self.max_context for p, a in zip(positions, active)):
             raise ValueError(f"a row is at max_context {self.max_context}")
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
-        slots = CacheSlots.decode(positions, active, self.max_context, self.device, bucketed=self.decode_buckets)
+        slots = CacheSlots.decode(positions, active, self.max_context, self.device, bucketed=self.decode_buckets,
+                                  masked=self.decode_masked)
         h = self.model(ids, slots)[:, 0]  # (R, D)
         if not all(active):
             h = h[torch.tensor(active, device=self.device)]  # (A, D)

@@ -9,8 +9,8 @@ each layer was its own graph; a run of 5 pays it 6 times and compiles in the tim
 where the whole stack as one graph took minutes (docs/benchmarks.md). Shapes are dynamic (the
 attended length grows every step, the batch with the running rows) and parameters are graph
 inputs, so one graph serves every step, every batch width and every run of the same layers.
-torch specializes a width of 1 apart from the others, so a load warms up both (widths 1 and 2):
-no request pays a compile.
+torch specializes a width of 1 apart from the others, so a load warms up both (widths 1 and 2),
+with a mask always given and no size traced equal to another by chance: no request pays a compile.
 
 `CELERYTP_COMPILE` in the worker's environment: `auto` (default) compiles dense models whose
 linears are kept quantized, and every dense model on CUDA; `1` compiles every dense model, `0`
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import collective_failure, forget_collective_failure
@@ -50,6 +51,7 @@ COMPILE_ENV = "CELERYTP_COMPILE"
 CACHE_ENV = "CELERYTP_CACHE_DIR"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 LAYERS_PER_GRAPH = 5  # 5 to 10 decode alike on the shipped model; 10 compiles twice as long
+WARM_UP_POSITION = 5  # where the warm-up's rows decode (any length but 0 and 1, which torch specializes)
 
 
 def compile_requested(model: CausalLM) -> bool:
@@ -115,6 +117,9 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         log.info("%s: %s decodes eagerly (only dense models compile)", COMPILE_ENV, type(model).__name__)
         return False
     use_persistent_cache()
+    # A size that equals another when traced (a warm-up's 2 keys and 2 rows) would otherwise share
+    # its symbol, and the graph would hold only while they stay equal: a recompile in serving.
+    fx_config.use_duck_shape = False
     graphs = model.device.type == "cuda"
     # CUDA: graphs. CPU: the code around a graph's kernels in C++, ~0.5 ms a step less than Python.
     mode, options = ("reduce-overhead", None) if graphs else (None, {"cpp_wrapper": True})
@@ -126,18 +131,21 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
     decoder.decode_runs = [partial(run_compiled, step, run) for run in runs]
     # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
-    model.decode_buckets = graphs
+    model.decode_buckets, model.decode_masked = graphs, True
     widths = sorted({min(bucket(w), model.max_batch) for w in range(1, model.max_batch + 1)}) if graphs else (1, 2)
+    # Warm-up rows sit a few positions in: a graph traced with 1 key would hold for 1 key only.
+    position = min(WARM_UP_POSITION, model.max_context - 1)
     started = time.monotonic()
     try:
         for width in widths:  # without graphs a width of 1 is its own graph; 2 stands for every other width
             if progress is not None:
                 progress(f"compiling decode (batch width {width}; the first start on a machine takes longest)")
+            model.cache_lens[:width] = [position] * width
             model.decode([0] * width, [True] * width)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: run eagerly, as without the switch
         log.warning("%s: compiling decode failed, decoding eagerly: %s: %s", COMPILE_ENV, type(exc).__name__, exc)
         decoder.decode_runs = None
-        model.decode_buckets = False
+        model.decode_buckets = model.decode_masked = False
         return False
     finally:
         model.clear_cache()
