@@ -27,6 +27,11 @@ def indexes(follow, count: int) -> list[int]:
     return seen
 
 
+def add(client: redis.Redis, key: str, *numbers: int) -> None:
+    for number in numbers:
+        client.xadd(key, {"index": number})
+
+
 def xreads(client: redis.Redis) -> int:
     return client.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
 
@@ -70,13 +75,12 @@ def test_a_rewound_stream_is_read_again_from_its_first_entry(redis_url):
     client = redis.Redis.from_url(redis_url)
     follower = StreamFollower(client)
     follow = follower.follow("rewound")
-    for index in range(2):
-        client.xadd("rewound", {"index": index})
+    add(client, "rewound", 0, 1)
     assert indexes(follow, 2) == [0, 1]
     follower.rewind(follow)
     assert indexes(follow, 2) == [0, 1]
     follower.drop(follow)
-    client.xadd("rewound", {"index": 2})
+    add(client, "rewound", 2)
     assert follow.get(timeout=0.3) is None  # dropped: nothing more is handed over
 
 
@@ -84,11 +88,10 @@ def test_two_waiters_of_one_stream_each_get_every_entry(redis_url):
     client = redis.Redis.from_url(redis_url)
     follower = StreamFollower(client)
     early = follower.follow("twice")
-    for index in range(3):
-        client.xadd("twice", {"index": index})
+    add(client, "twice", 0, 1, 2)
     assert indexes(early, 3) == [0, 1, 2]
     late = follower.follow("twice")  # a redelivered front-door task follows the same request
-    client.xadd("twice", {"index": 3})
+    add(client, "twice", 3)
     assert indexes(late, 4) == [0, 1, 2, 3]
     assert indexes(early, 1) == [3]  # not again what it had
     follower.drop(early), follower.drop(late)
