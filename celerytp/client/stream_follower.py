@@ -124,8 +124,11 @@ class StreamFollower:
                 while not self._follows:
                     self._idle.wait()
                 reading = {key: [(follow, follow.epoch) for follow in follows] for key, follows in self._follows.items()}
+                # From the earliest position of each stream's waiters; each gets only what is new to it.
+                streams = {key: "%d-%d" % min(follow.last for follow in follows) for key, follows in self._follows.items()}
+            streams[self._wake] = woken
             try:
-                woken = self._read_once(reading, woken)
+                woken = self._read_once(streams, reading, woken)
             except Exception as exc:  # noqa: BLE001 - the waiters of this read raise it; the reader lives on
                 log.warning("reading request streams failed: %s", exc)
                 with self._lock:
@@ -134,12 +137,9 @@ class StreamFollower:
                             follow.inbox.put(exc)
                             self._drop_locked(follow)
 
-    def _read_once(self, reading: dict[str, list[tuple[Follow, int]]], woken: str) -> str:
-        """One XREAD of the streams in `reading` (each from its earliest waiter's position) and of
-        the wake stream; hands each waiter what is new to it. Returns the last wake entry seen."""
-        with self._lock:
-            streams = {key: "%d-%d" % min(follow.last for follow, _ in follows) for key, follows in reading.items()}
-        streams[self._wake] = woken
+    def _read_once(self, streams: dict[str, str], reading: dict[str, list[tuple[Follow, int]]], woken: str) -> str:
+        """One XREAD of `streams` (key -> last id read, the wake stream's among them); hands each
+        waiter in `reading` what is new to it. Returns the last wake entry seen."""
         reply = self._redis.xread(streams, count=READ_COUNT, block=int(READ_BLOCK_S * 1000))
         with self._lock:
             for raw_key, entries in reply or ():
