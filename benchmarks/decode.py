@@ -1,12 +1,13 @@
 """Decode speed and memory per rank of SmolLM2-135M, against llama.cpp on the same GGUF.
 
 Run: python benchmarks/decode.py [--threads 2] [--tokens 64] [--repeats 3] [--tp 1 2 3]
-                                 [--weights f32 keep] [--compile] [--no-shm]
+                                 [--weights f32 bf16 keep] [--compile] [--no-shm]
 
 All in one run, with the same total intra-op threads everywhere (--threads, divided among the
 ranks):
 - celerytp at each TP size with the default GGUF loaded as float32 (`f32`: every block
-  dequantized) and as it ships (`keep`: Q4_1 linears, Q8_0 embedding/LM head), shared-memory
+  dequantized), as bfloat16 (`bf16`: weights and activations; a worker refuses it on a CPU where
+  it is slower than float32, models/half_precision.py) and as it ships (`keep`: Q4_1 linears, Q8_0 embedding/LM head), shared-memory
   collectives on (--no-shm: gloo), driven through the bare SPMD serving loop
   (celerytp.worker.serving with torch.distributed directly: no Celery, no Redis);
 - with --compile, the same with CELERYTP_COMPILE=1, and the load time that includes compiling;
@@ -76,7 +77,9 @@ def _celerytp_rank(rank: int, world_size: int, init_file: str, run: argparse.Nam
     prompt = load_tokenizer(default_model_path()).encode(PROMPT)
     before = _rss()
     started = time.perf_counter()
-    model = load_model(default_model_path(), tp, max_batch=16, quant=None if run.weights == "keep" else run.weights)
+    dtype = torch.bfloat16 if run.weights == "bf16" else torch.float32
+    quant = None if run.weights == "keep" else run.weights
+    model = load_model(default_model_path(), tp, max_batch=16, quant=quant, dtype=dtype)
     release_memory()  # as a worker's load does: loading temporaries back to the OS
     load_s = time.perf_counter() - started
     times: dict[int, list[float]] = {1: [], run.tokens: []}
@@ -150,7 +153,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--weights", nargs="+", default=["f32", "keep"], help="f32 and/or keep (the file's blocks)")
+    parser.add_argument("--weights", nargs="+", default=["f32", "keep"], help="f32, bf16 and/or keep (the file's blocks)")
     parser.add_argument("--compile", action="store_true", help="also run with CELERYTP_COMPILE=1")
     parser.add_argument("--no-shm", dest="shm", action="store_false", help="collectives over gloo")
     args = parser.parse_args()

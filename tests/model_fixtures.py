@@ -346,6 +346,9 @@ def run_job(job: Job, tp: TPContext) -> RankResult:
     )
     greedy = our_greedy(model, job.prompt, job.steps)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for name, module in model.named_modules():  # a packed weight's shape (layers/packed_linear.py)
+        if getattr(module, "onednn_weight", None) is not None:
+            shapes[f"{name}.weight"] = tuple(module.onednn_weight.shape)
     return RankResult(greedy, shapes, model.memory_report(), progress)
 
 

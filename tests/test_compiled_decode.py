@@ -7,7 +7,9 @@ the model decodes through compiled runs, and no step may compile again after the
 (ragged rows, a passenger, a batch of one, at any length). The 3-layer model compiles as one run at TP=2 and as
 two runs of different lengths at TP=1 (two graphs per width, one after the other). TP=2 runs the
 collectives as custom ops through shared memory, and a rank lost inside one must reach the
-caller as a CollectiveFailed, as in eager decode.
+caller as a CollectiveFailed, as in eager decode. Float linears are packed for oneDNN
+(CELERYTP_PACK_LINEARS=1): the eager model's all of them, the compiled model's only its LM head,
+which runs outside the graphs (layers/packed_linear.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.packed_linear import PACK_ENV
 from celerytp.models import compiled, load_model
 from celerytp.models.compiled import COMPILE_ENV, compile_requested, layer_runs, use_persistent_cache
 
@@ -63,12 +66,15 @@ def eager_and_compiled(path: str, tp: TPContext, prompts: list[list[int]]) -> tu
     # The load's warm-up compiled every graph decode needs: a compile now would stall a request.
     with torch.compiler.set_stance("fail_on_recompile"):
         compiled_figures = decode_both_rows(model, prompts)
-    return {"eager": eager, "compiled": compiled_figures, "runs": runs}, model
+    packed = [m.onednn_weight is not None for m in model.model.layers.modules() if "onednn_weight" in m._buffers]
+    return {"eager": eager, "compiled": compiled_figures, "runs": runs,
+            "packed": (sum(packed), len(packed), model.lm_head.onednn_weight is not None)}, model
 
 
 def _check(result: dict, runs: int) -> None:
     assert result["runs"], "decode fell back to eager (see the log for the graph break)"
     assert result["runs"] == runs
+    assert result["packed"] == (0, 4 * 3, True)  # traced layers plain (4 linears a layer), the head packed
     (eager_ids, eager_logits), (ids, logits) = result["eager"], result["compiled"]
     assert ids == eager_ids
     torch.testing.assert_close(logits, eager_logits, atol=1e-4, rtol=0)
@@ -88,6 +94,7 @@ def test_compiled_decode_matches_eager_tp1(checkpoint: tuple[str, list[list[int]
     path, prompts = checkpoint
     monkeypatch.setenv(COMPILE_ENV, "0")  # restored afterwards: the suite's setting (tests/conftest.py)
     monkeypatch.setattr(compiled, "LAYERS_PER_GRAPH", 2)  # runs of 1 and 2 layers
+    monkeypatch.setenv(PACK_ENV, "1")
     _check(eager_and_compiled(path, TPContext(), prompts)[0], runs=2)
 
 
@@ -103,6 +110,7 @@ def test_layers_are_cut_into_even_consecutive_runs() -> None:
 
 def _rank(rank: int, path: str, prompts: list[list[int]], init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    os.environ[PACK_ENV] = "1"
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,

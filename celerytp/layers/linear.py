@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.packed_linear import float_linear
 from celerytp.layers.partition import HeadShard
 from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.weights import check_shape, copy_into, empty_param, replicated_loader
@@ -72,6 +72,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = empty_param(offset, dtype=dtype, device=device, sharded=True) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.register_buffer("onednn_weight", None, persistent=False)  # the weight in oneDNN's layout (packed_linear.py)
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None) -> None:
         if shard_id not in self.shards:
@@ -86,7 +87,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return float_linear(x, self.weight, self.onednn_weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -176,6 +177,7 @@ class RowParallelLinear(nn.Module):
         self.bias = empty_param(output_size, dtype=dtype, device=device, sharded=False) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = replicated_loader
+        self.register_buffer("onednn_weight", None, persistent=False)
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None = None) -> None:
         check_shape(source, (self.output_size, self.input_size))
@@ -186,7 +188,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # partial sum over this rank's input columns
-        y = F.linear(x, self.weight) if self.qweight is None else self.qweight(x)
+        y = float_linear(x, self.weight, self.onednn_weight) if self.qweight is None else self.qweight(x)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:
@@ -214,6 +216,7 @@ class ReplicatedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.qweight = None
+        self.register_buffer("onednn_weight", None, persistent=False)
         if tied_weight is not None:
             self.weight = tied_weight
             return
@@ -227,4 +230,4 @@ class ReplicatedLinear(nn.Module):
         self.qweight.load(source, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) if self.qweight is None else self.qweight(x)
+        return float_linear(x, self.weight, self.onednn_weight) if self.qweight is None else self.qweight(x)

@@ -19,6 +19,7 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.packed_linear import float_linear
 from celerytp.layers.partition import split_units
 from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.weights import check_shape, copy_into, empty_param
@@ -119,12 +120,13 @@ class ParallelLMHead(VocabSlice):
         quant: QuantPlan | None = None,
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, dtype=dtype, device=device, quant=quant, allocate=tied is None)
+        self.register_buffer("onednn_weight", None, persistent=False)  # the weight in oneDNN's layout (packed_linear.py)
         if tied is not None:  # the embedding's slice, in whatever form it is kept
             self.weight, self.qweight = tied.weight, tied.qweight
 
     def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """The logits (..., V) on every rank; only this rank's slice (..., V_local) when not `gather`."""
-        local = F.linear(x, self.weight) if self.qweight is None else self.qweight(x)  # (..., V_local)
+        local = float_linear(x, self.weight, self.onednn_weight) if self.qweight is None else self.qweight(x)  # (..., V_local)
         if not gather:
             return local
         return self.tp.gather_last_dim(local, [count for _, count in self.shards])  # (..., V)

@@ -1,11 +1,13 @@
 """Half-precision weights on a CPU: loaded only where they decode at least as fast as float32.
 
-Many CPUs have no fast half-precision matrix-vector path: on the 2-core AVX-512 machines this
-project tests on, a bfloat16 product of a decode-sized matrix takes ~10x as long as in float32, and
-float16 ~1.8x. Decode reads every weight once per token, so such a load would halve the memory and
-cut the speed several-fold. The first half-precision load on a CPU measures the same product in
-both dtypes on this machine, and is refused with the figures when half is slower (a CPU with
-AMX or native float16 passes). CELERYTP_ALLOW_SLOW_HALF=1 loads anyway (memory over speed).
+Many CPUs have no fast half-precision matrix-vector path; decode reads every weight once per
+token, so there such a load would halve the memory and cut the speed several-fold. On the 2-core
+AVX-512 machines this project tests on, bfloat16 through F.linear took ~10x as long as float32
+(torch 2.x), while through oneDNN with a packed weight (layers/packed_linear.py, what a load
+uses where it works) it takes ~0.7x; float16 has no packed kernel there (no AVX512-FP16). The
+first half-precision load on a CPU measures the same product in both dtypes, each through the
+kernel a load would give it, and is refused with the figures when half is slower.
+CELERYTP_ALLOW_SLOW_HALF=1 loads anyway (memory over speed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.layers.packed_linear import float_linear, packed_copy
 
 ALLOW_ENV = "CELERYTP_ALLOW_SLOW_HALF"
 _SHAPE = (1536, 576)  # SmolLM2's MLP: the size of matrix a small model's decode reads most
@@ -42,16 +45,18 @@ def check_half_precision(dtype: torch.dtype, device: torch.device) -> None:
 
 @functools.cache
 def matvec_us(dtype: torch.dtype) -> tuple[float, float]:
-    """µs per decode-sized matrix-vector product on this CPU in `dtype` and in float32: the best of
-    5 short runs each, alternating, so that a burst of load elsewhere slows both alike."""
+    """µs per decode-sized matrix-vector product on this CPU in `dtype` and in float32, each through
+    the kernel a load gives it (packed where that works): the best of 5 short runs each,
+    alternating, so that a burst of load elsewhere slows both alike."""
     x = torch.randn(1, _SHAPE[1])
     weights = {d: torch.randn(_SHAPE).to(d) for d in (dtype, torch.float32)}
+    packed = {d: packed_copy(weight) for d, weight in weights.items()}
     best = dict.fromkeys(weights, float("inf"))
     for _ in range(5):
         for d, weight in weights.items():
             xd = x.to(d)
             start = time.perf_counter()
             for _ in range(10):
-                torch.nn.functional.linear(xd, weight)
+                float_linear(xd, weight, packed[d])
             best[d] = min(best[d], (time.perf_counter() - start) / 10)
     return best[dtype] * 1e6, best[torch.float32] * 1e6

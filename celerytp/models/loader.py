@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.packed_linear import pack_linears, pack_mode
 from celerytp.layers.partition import split_heads, split_linear_heads
 from celerytp.layers.rotary import scaled_context
 from celerytp.loading import Checkpoint, open_checkpoint
@@ -42,6 +43,7 @@ def load_model(
     ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if it is not one); None keeps
     each GGUF tensor's own type (see celerytp/quant/plan.py) and leaves others float.
     """
+    pack_mode()  # a mistyped CELERYTP_PACK_LINEARS fails before the weights are read
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)
         plan = resolve_quant(quant, checkpoint, dtype)
@@ -57,8 +59,11 @@ def load_model(
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
     model.eval()
-    if compile_requested(model):  # now, not in the first request's step
-        compile_decode(model, None if progress is None else lambda what: progress(tensors, tensors, what))
+    compiled = compile_requested(model) and compile_decode(  # now, not in the first request's step
+        model, None if progress is None else lambda what: progress(tensors, tensors, what)
+    )
+    # After compiling: the layers compiled decode traces keep their plain weights (packed_linear.py).
+    pack_linears(model, exclude=model.model.layers if compiled else None)
     return model
 
 
