@@ -1,13 +1,13 @@
 """Float linears on a CPU through oneDNN, with each weight reordered once at load.
 
 `F.linear` on a CPU multiplies by the (out, in) weight as stored (MKL). For decode's 1-16 rows
-that is far from what these cores can do: a 49,152 x 576 float32 LM head read at ~11 GB/s (9.6 ms
-a row, 18-22 ms for 2-16 rows), and bfloat16 no faster than float32 where it reads half the
-bytes. oneDNN's matmul on a weight reordered once into its own blocked layout (what inductor's
-freezing does to the float linears of a CPU graph) took 4.0-4.4 ms for one row and 5.6-6.3 ms
-for 16 in float32, 1.5-2.0 and 3.3 ms in bfloat16, and was as fast or faster at the sizes of a
-small model's layers, prefill's included, but for a fixed cost of ~15 µs a call that a small
-matrix does not win back (MIN_ELEMENTS; docs/performance.md, "Float linears").
+that is far from what these cores can do: one row times a 49,152 x 576 float32 LM head took
+9.9 ms (~11 GB/s, one thread), 16 rows 17.7 ms, and bfloat16 4.2 and 6.6 ms. oneDNN's matmul on
+a weight reordered once into its own blocked layout (what inductor's freezing does to the float
+linears of a CPU graph) took 4.5 and 9.3 ms in float32, 2.7 and 3.8 in bfloat16, and was as fast
+or faster at the sizes of a small model's layers, prefill's too, but for a fixed cost of ~15 µs
+a call that a small matrix does not win back (MIN_ELEMENTS; benchmarks/float_linear.py,
+docs/performance.md "Float linears on a CPU").
 
 After a load (models/loader.py) `pack_linears` gives every float parallel linear and LM head on
 a CPU with at least MIN_ELEMENTS weights a copy of its weight in that layout (`onednn_weight`)

@@ -126,7 +126,10 @@ class ParallelLMHead(VocabSlice):
 
     def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """The logits (..., V) on every rank; only this rank's slice (..., V_local) when not `gather`."""
-        local = float_linear(x, self.weight, self.onednn_weight) if self.qweight is None else self.qweight(x)  # (..., V_local)
+        if self.qweight is not None:
+            local = self.qweight(x)  # (..., V_local)
+        else:
+            local = float_linear(x, self.weight, self.onednn_weight)
         if not gather:
             return local
         return self.tp.gather_last_dim(local, [count for _, count in self.shards])  # (..., V)
