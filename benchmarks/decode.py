@@ -7,8 +7,9 @@ All in one run, with the same total intra-op threads everywhere (--threads, divi
 ranks):
 - celerytp at each TP size with the default GGUF loaded as float32 (`f32`: every block
   dequantized), as bfloat16 (`bf16`: weights and activations; a worker refuses it on a CPU where
-  it is slower than float32, models/half_precision.py) and as it ships (`keep`: Q4_1 linears, Q8_0 embedding/LM head), shared-memory
-  collectives on (--no-shm: gloo), driven through the bare SPMD serving loop
+  it is slower than float32, models/half_precision.py) and as it ships (`keep`: Q4_1 linears,
+  Q8_0 embedding/LM head), shared-memory collectives on (--no-shm: gloo), driven through the
+  bare SPMD serving loop
   (celerytp.worker.serving with torch.distributed directly: no Celery, no Redis);
 - with --compile, the same with CELERYTP_COMPILE=1, and the load time that includes compiling;
 - llama.cpp (llama-cpp-python) on the same file with --threads threads, when it is installed
@@ -153,7 +154,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--weights", nargs="+", default=["f32", "keep"], help="f32, bf16 and/or keep (the file's blocks)")
+    parser.add_argument("--weights", nargs="+", default=["f32", "keep"],
+                        help="f32, bf16 and/or keep (the file's blocks)")
     parser.add_argument("--compile", action="store_true", help="also run with CELERYTP_COMPILE=1")
     parser.add_argument("--no-shm", dest="shm", action="store_false", help="collectives over gloo")
     args = parser.parse_args()

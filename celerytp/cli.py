@@ -120,7 +120,19 @@ def _worker(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
+    checked_switches()
     return run_worker(config, args.loglevel)
+
+
+def checked_switches() -> None:
+    """The rank workers' environment switches (core/switches.py), refused here as a usage error:
+    a typo would otherwise fail only the first load."""
+    from celerytp.core.switches import check_switches
+
+    try:
+        check_switches()
+    except ValueError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -132,8 +144,9 @@ def leader_for(args: argparse.Namespace) -> Iterator:
     if args.broker:
         yield Leader(args.broker, args.group, args.tp)
         return
-    from celerytp.models.compiled import COMPILE_ENV
+    from celerytp.core.switches import COMPILE_ENV
 
+    checked_switches()
     print(f"starting a local cluster of {args.tp} rank(s)...", file=sys.stderr)
     # One request on fresh workers: compiling decode would take longer than the decode it speeds
     # up, so these decode eagerly unless CELERYTP_COMPILE says otherwise (`serve` compiles).
@@ -259,6 +272,8 @@ def _serve(args: argparse.Namespace) -> int:
         frontend=not args.no_frontend, request_timeout=args.request_timeout,
         device=embedded_device_for(args),
     )
+    if not args.broker:  # its own ranks start here
+        checked_switches()
     check_broker(args)  # an unreachable broker: exit 1 (check_environment would call it a usage error)
     config.check_environment()
     return serve(config)

@@ -55,6 +55,20 @@ def test_bad_input_is_one_line_and_exit_2(args, expected):
     assert "starting" not in done.stderr and time.monotonic() - started < 30  # refused before any cluster
 
 
+@pytest.mark.parametrize(("args", "variable"), [
+    (["generate", "--prompt", "x"], "CELERYTP_PACK_LINEARS"),
+    (["serve"], "CELERYTP_COMPILE"),
+    (["worker", "--rank", "0", "--world-size", "1", "--broker", "redis://127.0.0.1:1/0"], "CELERYTP_PACK_LINEARS"),
+])
+def test_a_mistyped_worker_switch_is_refused_before_anything_starts(args, variable):
+    """The rank workers' switches (core/switches.py) are read by the command that starts them: a
+    typo is a usage error there, not a failed load later."""
+    done = subprocess.run([sys.executable, "-m", "celerytp", *args], check=False, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT, variable: "yes please"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"error: bad_request: {variable} must be auto, 1 or 0, got 'yes please'\n", done.stderr
+
+
 def test_the_embedded_cluster_takes_a_gpu_per_rank_or_the_cpu():
     """`--device` of generate/serve/check without --broker (embedded_devices.py): NCCL refuses two
     ranks on one GPU, so `auto` takes GPUs only when there is one per rank. GPU counts are passed

@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from model_fixtures import TINY_CONFIGS, make_hf_model, make_prompt
 
+from celerytp.core.switches import PACK_ENV
 from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.packed_linear import PACK_ENV
 from celerytp.models import compiled, load_model
 from celerytp.models.compiled import COMPILE_ENV, compile_requested, layer_runs, use_persistent_cache
 

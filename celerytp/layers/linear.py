@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = empty_param(offset, dtype=dtype, device=device, sharded=True) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
-        self.register_buffer("onednn_weight", None, persistent=False)  # the weight in oneDNN's layout (packed_linear.py)
+        self.register_buffer("onednn_weight", None, persistent=False)  # in oneDNN's layout: packed_linear.py
 
     def weight_loader(self, param: torch.Tensor, source: TensorSource, shard_id: str | None) -> None:
         if shard_id not in self.shards:

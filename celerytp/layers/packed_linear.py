@@ -23,30 +23,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celerytp.core.switches import PACK_ENV, switch
+
 log = logging.getLogger(__name__)
-PACK_ENV = "CELERYTP_PACK_LINEARS"
 BATCH_HINT = 1  # the rows oneDNN's layout is chosen for: decode's (measured alike for 16)
 # A packed product costs ~15 µs a call before any work. One float32 row times a weight read from
 # memory (as decode reads them, one after the other): 128 x 128 took 14 µs plain against 24
 # packed, 192 x 576 53 against 48, 576 x 576 139 against 117 (bfloat16 gains from 128 x 128 up).
 MIN_ELEMENTS = 1 << 16
 PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-def pack_mode() -> str:
-    """CELERYTP_PACK_LINEARS: `auto` (default) packs where that pays (MIN_ELEMENTS), `1` every float
-    linear, `0` none; any other value is refused, so that a typo does not silently pick a mode."""
-    value = os.environ.get(PACK_ENV, "auto").strip().lower()
-    if value not in ("auto", "1", "0"):
-        raise ValueError(f"{PACK_ENV} must be auto, 1 or 0, got {value!r}")
-    return value
 
 
 def float_linear(
@@ -60,7 +51,7 @@ def float_linear(
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` (out, in) in oneDNN's layout, or None where that does not pay or does not work here."""
-    mode = pack_mode()
+    mode = switch(PACK_ENV)
     if weight.dim() != 2 or weight.numel() == 0 or mode == "0" or (mode == "auto" and weight.numel() < MIN_ELEMENTS):
         return None
     if not kernel_works(weight.dtype, str(weight.device)):

@@ -120,7 +120,7 @@ class ParallelLMHead(VocabSlice):
         quant: QuantPlan | None = None,
     ) -> None:
         super().__init__(vocab_size, hidden_size, tp, dtype=dtype, device=device, quant=quant, allocate=tied is None)
-        self.register_buffer("onednn_weight", None, persistent=False)  # the weight in oneDNN's layout (packed_linear.py)
+        self.register_buffer("onednn_weight", None, persistent=False)  # in oneDNN's layout: packed_linear.py
         if tied is not None:  # the embedding's slice, in whatever form it is kept
             self.weight, self.qweight = tied.weight, tied.qweight
 

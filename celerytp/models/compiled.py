@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from celerytp.core.switches import COMPILE_ENV, switch
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import collective_failure, forget_collective_failure
 from celerytp.layers.kv_cache import bucket
@@ -47,23 +48,17 @@ if TYPE_CHECKING:
     from celerytp.models.base import CausalLM
 
 log = logging.getLogger(__name__)
-COMPILE_ENV = "CELERYTP_COMPILE"
 CACHE_ENV = "CELERYTP_CACHE_DIR"
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 LAYERS_PER_GRAPH = 5  # 5 to 10 decode alike on the shipped model; 10 compiles twice as long
 WARM_UP_POSITION = 5  # where the warm-up's rows decode (any length but 0 and 1, which torch specializes)
 
 
 def compile_requested(model: CausalLM) -> bool:
     """Whether this load compiles decode (CELERYTP_COMPILE: auto, 1 or 0; see the module docstring).
-    An unknown value is refused, so a typo does not silently pick a mode."""
-    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    if value != "auto":
-        raise ValueError(f"{COMPILE_ENV} must be auto, 1 or 0, got {value!r}")
+    An unknown value is refused (core/switches.py), so a typo does not silently pick a mode."""
+    mode = switch(COMPILE_ENV)
+    if mode != "auto":
+        return mode == "1"
     return model.device.type == "cuda" or model.quant not in (None, "f32", "f16", "bf16")  # block formats
 
 

@@ -8,8 +8,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.switches import check_switches
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.packed_linear import pack_linears, pack_mode
+from celerytp.layers.packed_linear import pack_linears
 from celerytp.layers.partition import split_heads, split_linear_heads
 from celerytp.layers.rotary import scaled_context
 from celerytp.loading import Checkpoint, open_checkpoint
@@ -43,7 +44,7 @@ def load_model(
     ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if it is not one); None keeps
     each GGUF tensor's own type (see celerytp/quant/plan.py) and leaves others float.
     """
-    pack_mode()  # a mistyped CELERYTP_PACK_LINEARS fails before the weights are read
+    check_switches()  # a mistyped CELERYTP_COMPILE or CELERYTP_PACK_LINEARS: fails before any weight is read
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)
         plan = resolve_quant(quant, checkpoint, dtype)
