@@ -2,9 +2,9 @@
 
 Many CPUs have no fast half-precision matrix-vector path; decode reads every weight once per
 token, so there such a load would halve the memory and cut the speed several-fold. On the 2-core
-AVX-512 machines this project tests on, bfloat16 through F.linear took ~10x as long as float32
-(torch 2.x), while through oneDNN with a packed weight (layers/packed_linear.py, what a load
-uses where it works) it takes ~0.7x; float16 has no packed kernel there (no AVX512-FP16). The
+AVX-512 machines this project tests on, bfloat16 through F.linear was once measured at ~10x
+float32's time; through oneDNN with a packed weight (layers/packed_linear.py, what a load uses
+where it works) it takes ~0.7x; float16 has no packed kernel there (no AVX512-FP16). The
 first half-precision load on a CPU measures the same product in both dtypes, each through the
 kernel a load would give it, and is refused with the figures when half is slower.
 CELERYTP_ALLOW_SLOW_HALF=1 loads anyway (memory over speed).
