@@ -59,12 +59,11 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
-def pack_linears(model: nn.Module, exclude: nn.Module | None = None) -> int:
+def pack_linears(model: nn.Module, exclude: nn.Module | None = None) -> None:
     """Pack the float weight of every module of `model` with an `onednn_weight` buffer slot (the
-    parallel linears and the LM head), except those under `exclude`; returns how many."""
+    parallel linears and the LM head), except those under `exclude`."""
     skip = set(exclude.modules()) if exclude is not None else set()
     owners = Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
-    count = 0
     for module in model.modules():
         if module in skip or "onednn_weight" not in module._buffers or getattr(module, "qweight", None) is not None:
             continue
@@ -75,8 +74,6 @@ def pack_linears(model: nn.Module, exclude: nn.Module | None = None) -> int:
         module.onednn_weight = packed
         if owners[id(weight)] == 1:  # nobody else reads the plain weight: free it
             weight.data = weight.data.new_empty(0)
-        count += 1
-    return count
 
 
 @functools.cache
