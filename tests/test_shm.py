@@ -76,10 +76,33 @@ def _check_collectives(rank: int, world_size: int, group: shm.ShmGroup) -> None:
                 dist.broadcast(theirs, src)
                 assert torch.equal(ours, theirs), f"broadcast from {src} differs: {dtype} x{numel}"
     assert not group.fits(torch.zeros(group.slot_bytes // 4 + 1))  # larger tensors go to gloo
-    shm._MAX_VIEWS = 1  # the slot views kept per (set, size, dtype) dropped at every new one: made again
+    kept, shm._MAX_VIEWS = shm._MAX_VIEWS, 1  # the slot views kept per (set, size, dtype) dropped at every new one: made again
     for numel in (*NUMELS[:3], *NUMELS[:3]):
         x = _values(torch.float32, numel, rank, exact=True)
         assert torch.equal(group.all_reduce(x.clone()), sum(_gather(x, world_size))), f"x{numel} after a drop"
+    shm._MAX_VIEWS = kept
+    _check_inference_mode(rank, world_size, group)
+
+
+def _check_inference_mode(rank: int, world_size: int, group: shm.ShmGroup) -> None:
+    """A size first met under inference mode (a compiled decode's warm-up at load) is usable outside
+    it (the serving loop's whole-logits gather), and a caller's own error inside a collective (an
+    inference tensor written outside inference mode) raises as it is, not as a lost peer, and
+    leaves the group in step."""
+    x = _values(torch.float32, 96, rank, exact=True)
+    expected = sum(_gather(x, world_size))
+    with torch.inference_mode():
+        group.all_reduce(x.clone())
+        group.all_gather(x.clone())
+    assert torch.equal(group.all_reduce(x.clone()), expected)
+    assert torch.equal(group.all_gather(x.clone()), torch.stack(_gather(x, world_size)))
+    with torch.inference_mode():
+        frozen = x.clone()
+    control = ControlGroup(rank, world_size, None, group)
+    with pytest.raises(RuntimeError, match="inference tensor") as raised:
+        control.all_reduce(frozen)
+    assert not isinstance(raised.value, CollectiveFailed)
+    assert torch.equal(control.all_reduce(x.clone()), expected)
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_dir: str) -> None:

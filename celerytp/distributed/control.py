@@ -40,15 +40,29 @@ class CollectiveFailed(RuntimeError):
 
 
 def checked(fn: Callable[[], Any]) -> Any:
-    """Run one collective call; any failure of it is a CollectiveFailed."""
+    """Run one call into the backend (gloo, NCCL); any failure of it is a CollectiveFailed. `fn`
+    must be that call alone: whatever else fails inside the wrapper would be taken for the group's."""
     try:
         return fn()
     except CollectiveFailed:
         raise
     except (RuntimeError, dist.DistError) as exc:  # gloo: RuntimeError; NCCL/c10d: DistError subclasses
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        timed_out = isinstance(exc, shm.ShmTimeout) or "timed out" in first.lower() or "timeout" in first.lower()
-        raise CollectiveFailed(first, timed_out) from exc
+        raise _failed(exc) from exc
+
+
+def checked_shm(fn: Callable[[], Any]) -> Any:
+    """Run one shared-memory collective: only its synchronisation failing (shm.ShmFailure) is a
+    CollectiveFailed; a tensor op inside it that fails (a bug, a bad argument) raises as it is."""
+    try:
+        return fn()
+    except shm.ShmFailure as exc:
+        raise _failed(exc) from exc
+
+
+def _failed(exc: Exception) -> CollectiveFailed:
+    first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+    timed_out = isinstance(exc, shm.ShmTimeout) or "timed out" in first.lower() or "timeout" in first.lower()
+    return CollectiveFailed(first, timed_out)
 
 
 class ControlGroup:
@@ -77,7 +91,7 @@ class ControlGroup:
         """Reduce a small CPU tensor in place (sum, max or min) over the ranks."""
         if self.world_size > 1:
             if self.fast is not None and self.fast.fits(tensor):
-                checked(lambda: self.fast.all_reduce(tensor, op))
+                checked_shm(lambda: self.fast.all_reduce(tensor, op))
             else:
                 reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
                 checked(lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group))
@@ -87,7 +101,7 @@ class ControlGroup:
         """Overwrite a CPU tensor in place with rank `src`'s value."""
         if self.world_size > 1:
             if self.fast is not None and self.fast.fits(tensor):
-                checked(lambda: self.fast.broadcast(tensor, src))
+                checked_shm(lambda: self.fast.broadcast(tensor, src))
             else:
                 checked(lambda: dist.broadcast(tensor, src=src, group=self.group))
         return tensor

@@ -54,7 +54,13 @@ _MAX_VIEWS = 256
 _FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
-class ShmTimeout(dist.DistBackendError):
+class ShmFailure(dist.DistBackendError):
+    """The segment's synchronisation failed (a semaphore, or the group closed under the call): the
+    only failures of a shared-memory collective that say something about the group. Anything else
+    raised inside one (a tensor op on a bad argument) is the caller's own error and stays as it is."""
+
+
+class ShmTimeout(ShmFailure):
     """A peer did not reach a shared-memory collective before the group's timeout."""
 
 
@@ -212,7 +218,7 @@ class ShmGroup:
 
     def _begin(self) -> int:
         if not self._slots:
-            raise RuntimeError("shared-memory group is closed")
+            raise ShmFailure("shared-memory group is closed")
         s = self._step & 1
         self._step += 1
         return s
@@ -226,13 +232,16 @@ class ShmGroup:
         if slots is None:
             if len(self._views) >= _MAX_VIEWS:
                 self._views.clear()
-            slots = self._views[key] = [slot[: like.nbytes].view(like.dtype) for slot in self._slots[s]]
+            # Never inference tensors: views made under inference mode (a compiled decode's warm-up at
+            # load) could not be written outside it, where the serving loop gathers whole logits.
+            with torch.inference_mode(False):
+                slots = self._views[key] = [slot[: like.nbytes].view(like.dtype) for slot in self._slots[s]]
         return slots
 
     def _barrier(self) -> None:
         for p in self._peers:
             if _libc.sem_post(self._inbox[p][self.rank]) != 0:
-                raise OSError(ctypes.get_errno(), "sem_post failed")
+                raise ShmFailure(f"sem_post failed: {os.strerror(ctypes.get_errno())}")
         for p in self._peers:
             self._wait(self._inbox[self.rank][p], p)
 
@@ -257,7 +266,7 @@ class ShmGroup:
                     f"shared-memory collective: Timed out waiting {self.timeout_s * 1000:.0f}ms for rank {peer} "
                     f"(op {self._step - 1})"
                 )
-            raise OSError(err, f"sem wait failed: {os.strerror(err)}")
+            raise ShmFailure(f"sem wait failed: {os.strerror(err)}")
 
 
 def _create(path: str, size: int, world_size: int) -> tuple[mmap.mmap, int]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from celerytp.core.step_clock import timed
 from celerytp.distributed import shm
-from celerytp.distributed.control import CollectiveFailed, checked
+from celerytp.distributed.control import CollectiveFailed, checked, checked_shm
 
 # Tests set this on every rank to prove that the model's group carries model tensors only (the
 # two-channel rule, docs/design.md): any other tensor handed to it is refused loudly.
@@ -58,7 +58,7 @@ class TPContext:
             self._check(tensor)
             fast = self._shm(tensor)
             if fast is not None:
-                timed("collectives", lambda: checked(lambda: fast.all_reduce(tensor)))
+                timed("collectives", lambda: checked_shm(lambda: fast.all_reduce(tensor)))
             else:
                 timed("collectives", lambda: checked(lambda: dist.all_reduce(tensor, group=self.group)))
         return tensor
@@ -76,7 +76,7 @@ class TPContext:
         self._check(padded)
         fast = self._shm(padded)
         if fast is not None:
-            parts = list(timed("collectives", lambda: checked(lambda: fast.all_gather(padded))))
+            parts = list(timed("collectives", lambda: checked_shm(lambda: fast.all_gather(padded))))
         else:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
             timed("collectives", lambda: checked(lambda: dist.all_gather(parts, padded, group=self.group)))
