@@ -236,8 +236,9 @@ for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over col
     source = Scripted(specs, cancel) if rank == 0 else None
     stats = ServingLoop(model, control, {}, 8, 0.0, source).run()
     if rank == 0:
-        rows = {rid: {"tokens": f.result.token_ids, "logprobs": f.result.logprobs, "finish": f.result.finish_reason,
-                      "reused": f.result.reused_tokens, "prompt_logprobs": f.result.prompt_logprobs}
+        rows = {rid: {"error": [str(f.error.kind), f.error.message]} if f.error is not None else
+                {"tokens": f.result.token_ids, "logprobs": f.result.logprobs, "finish": f.result.finish_reason,
+                 "reused": f.result.reused_tokens, "prompt_logprobs": f.result.prompt_logprobs}
                 for rid, f in source.results.items()}
         runs.append({"stats": stats, "rows": rows})
 if rank == 0:
@@ -247,11 +248,12 @@ dist.destroy_process_group()  # gloo left to the interpreter's exit can abort th
 """
 
 
-def _serve_bare(tmp_path, path, world: int, runs: list) -> list[dict]:
+def _serve_bare(tmp_path, path, world: int, runs: list, prelude: str = "") -> list[dict]:
     """Each run ([GenSpec fields, ...], [request ids to cancel]) through a bare serving loop on
-    `world` ranks (prefill budget 8, cold rows): its stats and each request's result."""
+    `world` ranks (prefill budget 8, cold rows): its stats and each request's result (or error).
+    `prelude`: code each rank runs first."""
     init, out = tmp_path / f"init{world}", tmp_path / f"out{world}.json"
-    ranks = [subprocess.Popen([sys.executable, "-c", BARE_LOOP_RANK, str(r), str(world), str(init), str(path),
+    ranks = [subprocess.Popen([sys.executable, "-c", prelude + BARE_LOOP_RANK, str(r), str(world), str(init), str(path),
                                str(out), json.dumps(runs)], stderr=subprocess.PIPE, text=True) for r in range(world)]
     for r, rank in enumerate(ranks):
         _, err = rank.communicate(timeout=240)
@@ -351,3 +353,43 @@ def test_equal_prompts_are_prefilled_once_and_each_row_samples_as_if_alone(tmp_p
     copied = len(other) - 1 if family == "llama" else 0
     assert later["stats"]["shared_prompt_tokens"] == copied
     assert later["rows"]["late"]["tokens"] == alone["g0"]["tokens"] and later["rows"]["late"]["reused"] == copied
+
+
+# A bug met by one request's data alone, injected (no input that passes validation fails rank 0's
+# work today): the sampler's reshaping of a request whose logit_bias holds token 7 (the batched
+# pick), and the stop check of a request of max_tokens 5 (each row's own bookkeeping).
+FAILING_ROWS = """
+from celerytp.core.stopping import StopChecker
+from celerytp.worker.sampling import RowSampler
+
+def _failing(real, fails):
+    def wrapped(self, *args):
+        if fails(self):
+            raise RuntimeError("injected")
+        return real(self, *args)
+    return wrapped
+
+RowSampler.reshape = _failing(RowSampler.reshape, lambda s: 7 in (s.params.logit_bias or {}))
+StopChecker.after = _failing(StopChecker.after, lambda s: s.max_tokens == 5)
+"""
+
+
+def test_a_request_whose_own_processing_fails_ends_alone_and_the_loop_goes_on(tmp_path):
+    """Rank 0's work for one request failing (its sampling, its stop check) answers that request
+    with an `internal` error naming it; the loop does not abort, and the requests beside it end
+    as they do alone (TP=2)."""
+    from model_fixtures import make_prompt
+
+    _tiny_llama(tmp_path / "tiny")
+    good = [dict(request_id=f"ok{i}", prompt=make_prompt(161, 6 + i, seed=i), max_tokens=6,
+                 sampling=dict(temperature=0, logit_bias={"3": 2.0})) for i in range(2)]
+    bad = [dict(request_id="bad_pick", prompt=make_prompt(161, 5, seed=8), max_tokens=6,
+                sampling=dict(temperature=0, logit_bias={"7": 1.0})),
+           dict(request_id="bad_take", prompt=make_prompt(161, 4, seed=9), max_tokens=5, sampling=dict(temperature=0))]
+    together, alone = _serve_bare(tmp_path, tmp_path / "tiny", 2, [[good + bad, []], [good, []]], prelude=FAILING_ROWS)
+    for rid in ("bad_pick", "bad_take"):
+        kind, message = together["rows"][rid]["error"]
+        assert kind == "internal" and rid in message and "injected" in message, (rid, kind, message)
+    for spec in good:
+        assert together["rows"][spec["request_id"]]["tokens"] == alone["rows"][spec["request_id"]]["tokens"]
+        assert together["rows"][spec["request_id"]]["finish"] == "length"

@@ -237,6 +237,7 @@ class ServeResult(Reply):
     requests: int = 0
     peak_rows: int = 0
     reused_tokens: int = 0
+    shared_prompt_tokens: int = 0
     total_s: float = 0.0
 
 

@@ -14,6 +14,7 @@ plan as an abort, so no rank is left in a collective.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from celerytp.worker.sampling import (
     token_logprob,
     top_logprobs,
 )
+
+log = logging.getLogger(__name__)
 
 # Plan commands, and per-row news in a plan.
 STEP, EXIT, ABORT = 0, 1, 2
@@ -79,6 +82,7 @@ class Sequence:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None  # None first (no context)
     grammar: RowGrammar | None = None  # structured output: the mask of its next token (worker/grammar.py)
+    failed: bool = False  # its own processing failed: answered with the error, its row freed in the next plan
     # every rank: the row prefilling the same prompt, whose cache this row copies when it is in
     # (n choices of one request, or equal prompts queued together) instead of computing it again
     source: Sequence | None = None
@@ -376,7 +380,7 @@ class ServingLoop:
             seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, forced=list(spec.resumed))
             seq.source = next((s for s in self.running.values() if _shares_prefill(s, seq)), None)
             if self.is_sampler:
-                self._start(seq)
+                self._for_row(seq, lambda seq=seq: self._start(seq))
             self.running[row] = seq
             self.stats["requests"] += 1
             self.stats["reused_tokens"] += reused
@@ -544,33 +548,68 @@ class ServingLoop:
     def _sample(self, scores: Scores) -> None:
         drawn = []
         for i, (seq, token) in enumerate(zip(scores.seqs, scores.forced)):
+            if seq.failed:
+                continue
             if token is None:
                 drawn.append(i)
                 continue
             self._news[seq.row] = (FEED, token)  # a resumed row feeds its earlier tokens (delivered and counted already)
-            self._record_logprobs(scores, i, token)
+            self._for_row(seq, lambda i=i, token=token: self._record_logprobs(scores, i, token))
         if not drawn:
             return
-        tokens = self._pick(scores, drawn)
+        tokens = self._pick_each(scores, drawn)
         now = time.perf_counter()
-        for i, token in zip(drawn, tokens):
-            seq = scores.seqs[i]
-            seq.first_token_at = seq.first_token_at or now
-            if seq.last_token_at:
-                seq.gaps.append(round(now - seq.last_token_at, 4))
-            seq.last_token_at = now
-            seq.sampler.saw(token)
-            self._record_logprobs(scores, i, token)
-            ended = seq.grammar is not None and seq.grammar.advance([token])
-            reason = seq.checker.after(token) or ("stop" if ended else None)
-            if seq.spec.stream and token not in seq.checker.eos_ids:
-                logprob = seq.logprobs[-1] if seq.logprobs else None
-                self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1, logprob))
-            if reason is None:
-                self._news[seq.row] = (FEED, token)
-            else:
-                self._news[seq.row] = (DONE, token)
-                self._events.finished.append((seq.spec, Finished(self._result(seq, reason))))
+        for i, token in tokens.items():
+            self._for_row(scores.seqs[i], lambda i=i, token=token: self._take(scores, i, token, now))
+
+    def _take(self, scores: Scores, i: int, token: int, now: float) -> None:
+        """Row i sampled `token`: record it, stream it, and stop the row or feed the token next."""
+        seq = scores.seqs[i]
+        seq.first_token_at = seq.first_token_at or now
+        if seq.last_token_at:
+            seq.gaps.append(round(now - seq.last_token_at, 4))
+        seq.last_token_at = now
+        seq.sampler.saw(token)
+        self._record_logprobs(scores, i, token)
+        ended = seq.grammar is not None and seq.grammar.advance([token])
+        reason = seq.checker.after(token) or ("stop" if ended else None)
+        if seq.spec.stream and token not in seq.checker.eos_ids:
+            logprob = seq.logprobs[-1] if seq.logprobs else None
+            self._events.tokens.append((seq.spec, token, len(seq.checker.token_ids) - 1, logprob))
+        if reason is None:
+            self._news[seq.row] = (FEED, token)
+        else:
+            self._news[seq.row] = (DONE, token)
+            self._events.finished.append((seq.spec, Finished(self._result(seq, reason))))
+
+    def _for_row(self, seq: Sequence, work: Callable[[], None]) -> None:
+        """Rank 0's work for one request; if it fails (its grammar, its sampling options, a bug met
+        by its data alone) that request ends with the error and the loop and every other row go on.
+        Nothing of it touched the group: no collective runs in rank 0's solo work."""
+        try:
+            work()
+        except Exception as exc:
+            log.exception("request %s failed in the serving loop", seq.spec.request_id)
+            error = exc if isinstance(exc, CeleryTPError) else CeleryTPError(
+                ErrorKind.INTERNAL, f"request {seq.spec.request_id} failed: {type(exc).__name__}: {exc}")
+            seq.failed = True
+            self._news[seq.row] = (DONE, -1)
+            self._events.finished.append((seq.spec, Finished(error=error)))
+
+    def _pick_each(self, scores: Scores, rows: list[int]) -> dict[int, int]:
+        """Row -> its next token (`_pick`). When the batch fails, each row is picked alone, so only
+        a row whose own options or grammar fail is failed (`_for_row`)."""
+        try:
+            return dict(zip(rows, self._pick(scores, rows), strict=True))
+        except Exception:
+            tokens: dict[int, int] = {}
+
+            def pick_alone(i: int) -> None:
+                tokens[i] = self._pick(scores, [i])[0]
+
+            for i in rows:
+                self._for_row(scores.seqs[i], lambda i=i: pick_alone(i))
+            return tokens
 
     def _pick(self, scores: Scores, rows: list[int]) -> list[int]:
         """The next token of each of `rows` (one uniform of its generator each, when it samples)."""
@@ -587,9 +626,10 @@ class ServingLoop:
             tokens.update(zip(plain, sample_rows(logits, samplers(plain))))
         elif plain:
             tokens.update(zip(plain, sample_candidates(scores.values[plain], scores.ids[plain], samplers(plain))))
-        if scores.drawing:  # drawn over the whole vocabulary: keep one rank's draw in its slice
-            draws = scores.slice_draws[scores.drawing]  # (D, N, 3)
-            for i, row_draws, rank in zip(scores.drawing, draws, pick_slices(draws[..., 0], samplers(scores.drawing))):
+        drawing = [i for i in rows if i in scores.drawing]
+        if drawing:  # drawn over the whole vocabulary: keep one rank's draw in its slice
+            draws = scores.slice_draws[drawing]  # (D, N, 3)
+            for i, row_draws, rank in zip(drawing, draws, pick_slices(draws[..., 0], samplers(drawing))):
                 tokens[i] = int(row_draws[rank, 1])
                 scores.kept[i] = float(row_draws[rank, 2])
         return [tokens[i] for i in rows]
