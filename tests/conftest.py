@@ -4,7 +4,6 @@ from __future__ import annotations
 
 # hypothesis is imported at start-up: imported late (by its plugin's end-of-run summary, under
 # assertion rewriting) it trips CPython 3.11.7's AST recursion check and fails the whole run.
-import os
 import socket
 import subprocess
 import time
@@ -12,11 +11,6 @@ import time
 import hypothesis  # noqa: F401
 import pytest
 import redis
-
-# Decode compiles by default for quantized models (models/compiled.py). Compiling at every test
-# cluster's load would cost minutes, so the suite decodes eagerly (workers inherit this), and
-# tests/test_compiled_decode.py checks compiled decode against eager.
-os.environ.setdefault("CELERYTP_COMPILE", "0")
 
 from celerytp.cluster import LocalCluster, find_redis_server
 

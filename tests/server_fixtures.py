@@ -40,6 +40,23 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": ROOT, **env})
 
 
+def rows_free_within(group: Served, seconds: float) -> float:
+    """Seconds until the model's loop runs no row (fails after `seconds`)."""
+    started = time.monotonic()
+    while group.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() - started < seconds, group.leader.serving_stats(MODEL)
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def running(group: Served) -> None:
+    """Wait until the model's loop runs a row (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not group.leader.serving_stats(MODEL).get("running_rows", 0):
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+
+
 class Served:
     """A running `celerytp serve` and a Leader of its embedded group."""
 
@@ -66,7 +83,7 @@ def start_served(
                "--model-id", MODEL, *args]  # fmt: skip
     proc = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # the first start on a machine compiles the default model's decode
     while not (banner := re.search(r"celerytp serving 'smol' .* broker (redis://\S+)\)", log_path.read_text())):
         assert proc.poll() is None, log_path.read_text()
         assert time.monotonic() < deadline, "server did not come up"

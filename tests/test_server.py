@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import MODEL, ROOT, cli, free_port, start_served
+from server_fixtures import MODEL, ROOT, cli, free_port, rows_free_within, running, start_served
 
 from celerytp.client.registry import keep_replica
 from celerytp.core.liveness import read_owners
@@ -135,22 +135,6 @@ def _counted_once_more(server: str, before: float) -> None:
         time.sleep(0.1)
 
 
-def _rows_free_within(group, seconds: float) -> float:
-    """Seconds until the model's loop runs no row (fails after `seconds`)."""
-    started = time.monotonic()
-    while group.leader.serving_stats(MODEL).get("running_rows", 0):
-        assert time.monotonic() - started < seconds, group.leader.serving_stats(MODEL)
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
-def _running(group) -> None:
-    deadline = time.monotonic() + 30
-    while not group.leader.serving_stats(MODEL).get("running_rows", 0):
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.05)
-
-
 def test_disconnect_cancels_generation(server, group):
     """A stream read for a few tokens, then dropped: the ranks stop long before max_tokens, and
     the request is counted as cancelled."""
@@ -160,7 +144,7 @@ def test_disconnect_cancels_generation(server, group):
         for n, _ in enumerate(r.iter_lines()):
             if n >= 8:
                 break
-    _rows_free_within(group, 2)
+    rows_free_within(group, 2)
     assert group.leader.serving_stats(MODEL)["steps"] < 500
     _counted_once_more(server, before)
 
@@ -172,7 +156,7 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request(server, group)
     before = cancelled_count(server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2.0)
-    _rows_free_within(group, 2)
+    rows_free_within(group, 2)
     _counted_once_more(server, before)
 
 
@@ -184,10 +168,10 @@ def test_a_revoked_or_expired_generate_task_cancels_its_request(group, how):
     kwargs = {"prompt": "Tell me a story.", "max_tokens": 1500, "ignore_eos": True}
     expires = {"expires": 3.0} if how == "expires" else {}
     sent = app.send_task("celerytp.generate", kwargs=kwargs, queue="celerytp.srv.requests", **expires)
-    _running(group)
+    running(group)
     if how != "expires":
         app.control.revoke(sent.id, terminate=how == "terminate")
-    _rows_free_within(group, 5 if how == "expires" else 2)
+    rows_free_within(group, 5 if how == "expires" else 2)
     with pytest.raises(TaskRevokedError, match="expired" if how == "expires" else "revoked"):
         sent.get(timeout=10)
     assert sent.state == "REVOKED"

@@ -30,6 +30,9 @@ from celerytp.core.validation import (
 )
 
 DEFAULT_MAX_TOKENS = 256
+# A request that names no temperature samples at the model's generation_config.json, else at 1:
+# OpenAI's default and vLLM's (0 would make `n` choices alike and every client that sends none greedy).
+DEFAULT_SAMPLING = {"temperature": 1.0}
 MODES = ("fused", "step")
 
 
@@ -141,7 +144,8 @@ def prepare(
         "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty, "logit_bias": logit_bias,
         "min_p": min_p, "seed": seed, "logprobs": logprobs,
     }
-    params = sampling_params({**tokenizer.generation_defaults, **{k: v for k, v in given.items() if v is not None}})
+    params = sampling_params({**DEFAULT_SAMPLING, **tokenizer.generation_defaults,
+                              **{k: v for k, v in given.items() if v is not None}})
     stops = [stop] if isinstance(stop, str) else stop
     spec = {
         "request_id": request_id or uuid.uuid4().hex, "prompt": ids,

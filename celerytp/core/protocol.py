@@ -178,6 +178,7 @@ class Loaded(Reply):
     quant: str | None = None  # the load's format for every linear, "gguf" (each tensor its file type), None: plain
     quant_types: dict[str, dict[str, int]] = Field(default_factory=dict)  # this rank: type -> {"tensors", "bytes"}
     quant_fallbacks: list[str] = Field(default_factory=list)  # "<tensor>: q4_k -> q5_0 (why)" on this rank
+    decode: Literal["compiled", "eager"] = "eager"  # how decode steps run (CELERYTP_COMPILE, models/compiled.py)
     vocab_size: int
     max_context: int
     max_batch: int
