@@ -17,7 +17,13 @@ import openai
 import pytest
 from server_fixtures import MODEL, ROOT, start_served
 
-from celerytp.server.tools import CallStream, ToolMode
+from celerytp.core.errors import CeleryTPError
+from celerytp.core.grammar import check_grammar
+from celerytp.core.model_files import default_model_path
+from celerytp.core.tokenizer import load_tokenizer
+from celerytp.server.schemas import ChatRequest
+from celerytp.server.tools import CallStream, ToolMode, structure
+from celerytp.worker.grammar import RowGrammar
 
 PERSON = {
     "type": "object",
@@ -204,6 +210,13 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
      "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    # strict: a keyword the grammar cannot enforce is refused, not ignored
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "integer", "nullable": True}}}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "maxLenght": 3}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters"),
 ]
 
 
@@ -278,3 +291,206 @@ def test_a_resumed_constrained_request_feeds_its_earlier_tokens_to_the_matcher()
     matches_person(json.loads(out["whole"]))
     assert out["reason"] == "stop" and out["resumed_reason"] == "stop"
     assert out["resumed"] == out["whole"]
+
+
+# ---- strict schemas, at the mask: the real tokenizer of the default model, no server --------------
+
+# PERSON as clients often send it under strict: no `additionalProperties` stated anywhere
+STRICT_PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]},
+    },
+    "required": ["name", "age", "colour"],
+}
+GOOD_PERSON = '{"name": "Al", "age": 30, "colour": "red", "tags": ["a"], "home": {"city": "Rome"}}'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def strict(schema: dict) -> dict:
+    return {"json_schema": schema, "strict": True}
+
+
+def matcher(tokenizer, grammar: dict) -> RowGrammar:
+    return RowGrammar.create(tokenizer, tokenizer.backend.get_vocab_size(), grammar)
+
+
+def refused_at(tokenizer, grammar: dict, text: str) -> str | None:
+    """Feed `text`'s tokens one by one, each checked against the mask first: the text up to and
+    including the first token the mask forbids (None when all are allowed)."""
+    row = matcher(tokenizer, grammar)
+    ids = tokenizer.encode(text)
+    for n, token in enumerate(ids):
+        if not bool(row.allowed()[token]):
+            return tokenizer.decode(ids[: n + 1])
+        row.advance([token])
+    return None
+
+
+def ends_after(tokenizer, grammar: dict, text: str) -> bool:
+    """Whether, after `text`, the mask lets the model end the value: a token that closes the
+    object, or EOS (the grammar is complete)."""
+    row = matcher(tokenizer, grammar)
+    assert not row.advance(tokenizer.encode(text)) or row.matcher.is_accepting()
+    allowed = row.allowed()
+    if any(bool(allowed[eos]) for eos in tokenizer.eos_token_ids) and row.matcher.is_accepting():
+        return True
+    return any(tokenizer.decode([t]).lstrip().startswith("}") for t in allowed.nonzero().flatten().tolist())
+
+
+def test_strict_schema_forbids_keys_it_does_not_name(tokenizer):
+    """Strict, an object that declares its keys takes no other (nested ones too), though the
+    schema states no `additionalProperties`; not strict, JSON Schema leaves such keys open."""
+    assert refused_at(tokenizer, strict(STRICT_PERSON), GOOD_PERSON) is None
+    extra = '{"name": "Al", "age": 30, "colour": "red", "x": 1}'
+    assert refused_at(tokenizer, strict(STRICT_PERSON), extra) == '{"name": "Al", "age": 30, "colour": "red", "x'
+    nested = '{"name": "Al", "age": 30, "colour": "red", "home": {"city": "Rome", "zip": "1"}}'
+    assert refused_at(tokenizer, strict(STRICT_PERSON), nested).endswith('"city": "Rome",')  # no key after city
+    assert refused_at(tokenizer, {"json_schema": STRICT_PERSON}, extra) is None  # not strict: open
+    # stated explicitly, `additionalProperties: false` holds whether strict or not
+    closed = {**STRICT_PERSON, "additionalProperties": False}
+    for grammar in ({"json_schema": closed}, strict(closed)):
+        assert refused_at(tokenizer, grammar, extra) == '{"name": "Al", "age": 30, "colour": "red", "x'
+
+
+def test_strict_additional_properties_schema_is_enforced_in_full(tokenizer):
+    """`additionalProperties` as a schema: extra keys must match it, bounds and all, and an
+    object it describes is closed too under strict."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],
+              "additionalProperties": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+                                       "required": ["n"]}}
+    assert refused_at(tokenizer, strict(schema), '{"id": 1, "x": {"n": 5}}') is None
+    assert refused_at(tokenizer, strict(schema), '{"id": 1, "x": "s"}') == '{"id": 1, "x": "'
+    assert refused_at(tokenizer, strict(schema), '{"id": 1, "x": {"n": 10}}') == '{"id": 1, "x": {"n": 10'
+    assert refused_at(tokenizer, strict(schema), '{"id": 1, "x": {"n": 5, "m": 1}}') == '{"id": 1, "x": {"n": 5,'
+
+
+def test_missing_required_keys_cannot_end_the_object(tokenizer):
+    """The mask offers no `}` (nor EOS) until every required key is written, nested ones too;
+    and strict, a requirement llguidance cannot enforce is refused even where the schema's own
+    `x-guidance` asks to drop what it cannot enforce (`lenient`)."""
+    grammar = strict(STRICT_PERSON)
+    assert not ends_after(tokenizer, grammar, '{"name": "Al", "age": 30')
+    assert not ends_after(tokenizer, grammar, '{"name": "Al", "age": 30, "colour": "red", "home": {')
+    assert ends_after(tokenizer, grammar, '{"name": "Al", "age": 30, "colour": "red"')
+    assert ends_after(tokenizer, grammar, '{"name": "Al", "age": 30, "colour": "red", "home": {"city": "Rome"')
+    assert refused_at(tokenizer, grammar, '{"name": "Al", "age": 30}') == '{"name": "Al", "age": 30}'
+    lenient = {**STRICT_PERSON, "dependentRequired": {"home": ["tags"]}, "x-guidance": {"lenient": True}}
+    assert "dependentRequired" in check_grammar(strict(lenient))
+    with pytest.raises(CeleryTPError, match="dependentRequired"):
+        matcher(tokenizer, strict(lenient))
+    assert check_grammar({"json_schema": lenient}) is None  # not strict: the schema's own options apply
+
+
+def test_out_of_enum_values_are_refused(tokenizer):
+    """Only the enum's values (and a const's) pass the mask; strict, an enum-like keyword the
+    grammar cannot enforce (OpenAPI's `nullable`, `not`) is refused rather than ignored."""
+    grammar = strict(STRICT_PERSON)
+    assert refused_at(tokenizer, grammar, '{"name": "Al", "age": 30, "colour": "blue"}') is None
+    assert refused_at(tokenizer, grammar, '{"name": "Al", "age": 30, "colour": "pink"}') == (
+        '{"name": "Al", "age": 30, "colour": "p')
+    wrong_type = refused_at(tokenizer, grammar, '{"name": "Al", "age": 30, "colour": 1}')
+    assert wrong_type.startswith('{"name": "Al", "age": 30, "colour":'), wrong_type  # at " " or "1": no string
+    const = {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}
+    assert refused_at(tokenizer, strict(const), '{"kind": "dog"}') == '{"kind": "dog'
+    for keyword in ({"nullable": True}, {"not": {"const": "red"}}):
+        schema = {**STRICT_PERSON, "properties": {**STRICT_PERSON["properties"],
+                                                  "colour": {"enum": ["red", "green", "blue"], **keyword}}}
+        problem = check_grammar(strict(schema))
+        assert problem and f"'properties.colour.{next(iter(keyword))}'" in problem, problem
+
+
+OUT_OF_BOUNDS = [  # text, and the prefix whose last token the mask refuses
+    ('{"name": "Al", "age": 151', '{"name": "Al", "age": 151'),  # maximum
+    ('{"name": "Al", "age": -1', '{"name": "Al", "age": -'),  # minimum
+    ('{"name": "Al", "age": 1.5', '{"name": "Al", "age": 1.'),  # integer
+    ('{"name": "Al", "age": 30, "colour": "red", "tags": []', '{"name": "Al", "age": 30, "colour": "red", "tags": []'),
+    ('{"name": "Al", "age": 30, "colour": "red", "tags": ["a", "b", "c"]',  # maxItems
+     '{"name": "Al", "age": 30, "colour": "red", "tags": ["a", "b",'),
+    ('{"name": "Al", "age": 30, "colour": "red", "home": {"city": "R"}',  # minLength
+     '{"name": "Al", "age": 30, "colour": "red", "home": {"city": "R"}'),
+]
+
+
+def test_out_of_bounds_values_are_refused(tokenizer):
+    """minimum/maximum (and integer), minItems/maxItems, minLength/maxLength hold at the mask;
+    strict, a bound the grammar cannot enforce is refused even where the schema's `x-guidance`
+    asks to drop it (`lenient`)."""
+    grammar = strict(STRICT_PERSON)
+    for text, refused in OUT_OF_BOUNDS:
+        assert refused_at(tokenizer, grammar, text) == refused, text
+    # maxLength 24: 24 characters close, a 25th cannot come (wherever the tokens fall)
+    for text in ('{"name": "' + "Bo" * 12 + '", "age": 1', '{"name": "' + "xyz" * 8 + '", "age": 1'):
+        assert refused_at(tokenizer, grammar, text) is None
+    for text in ('{"name": "' + "Bo" * 12 + 'b", "age": 1', '{"name": "' + "xyz" * 9 + '", "age": 1'):
+        got = refused_at(tokenizer, grammar, text)
+        assert got is not None and len(got) > len('{"name": "') + 24, (text, got)
+    tags = {"type": "array", "items": {"type": "string"}, "minContains": 1, "contains": {"const": "a"}}
+    lenient = {**STRICT_PERSON, "properties": {**STRICT_PERSON["properties"], "tags": tags},
+               "x-guidance": {"lenient": True}}
+    problem = check_grammar(strict(lenient))
+    assert problem and "'properties.tags.minContains'" in problem, problem
+    assert check_grammar({"json_schema": lenient}) is None  # not strict: the schema's own options apply
+
+
+def test_strict_refuses_what_the_grammar_cannot_enforce(tokenizer):
+    """Strict: a misspelt or unknown keyword, llguidance's unimplemented ones and its
+    approximations (`coerce_one_of`) are refused naming the keyword's place; annotations,
+    `format`, `pattern` and extensions are fine. Not strict, an unknown word is an annotation."""
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for extra, where in [({"maximun": 3}, "properties.a.maximun"), ({"uniqueItems": True}, "properties.a.uniqueItems")]:
+        schema = {**base, "properties": {"a": {"type": "integer", **extra}}}
+        problem = check_grammar(strict(schema))
+        assert problem and f"'{where}'" in problem, problem
+        with pytest.raises(CeleryTPError, match=where.split(".")[-1]):
+            matcher(tokenizer, strict(schema))
+    assert check_grammar({"json_schema": {**base, "properties": {"a": {"type": "integer", "maximun": 3}}}}) is None
+    overlapping = {"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+                   "x-guidance": {"coerce_one_of": True}}
+    assert check_grammar({"json_schema": overlapping}) is None
+    assert "oneOf" in check_grammar(strict(overlapping))
+    fine = {**base, "title": "T", "description": "d", "$defs": {"D": {"type": "string", "format": "date"}},
+            "properties": {"a": {"type": "integer", "default": 1, "examples": [2]},
+                           "b": {"$ref": "#/$defs/D"}, "c": {"type": "string", "pattern": "^[a-z]+$"}},
+            "x-vendor": 1}
+    assert check_grammar(strict(fine)) is None
+    assert refused_at(tokenizer, strict(fine), '{"a": 1, "c": "A') == '{"a": 1, "c": "A'
+    assert refused_at(tokenizer, strict(fine), '{"a": 1, "b": "2020-01-01", "c": "ab"}') is None
+
+
+def test_strict_reaches_the_grammar_from_response_format_and_tools():
+    """The server puts strict into the request's grammar (and a strict function's parameters into
+    the `required` grammar closed), and refuses what strict cannot enforce naming the field."""
+    hi = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def grammar_of(extra: dict) -> dict:
+        options = {"messages": hi["messages"]}
+        structure(ChatRequest.model_validate({**hi, **extra}), options, None)
+        return options["grammar"]
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": STRICT_PERSON, "strict": True}}
+    assert grammar_of({"response_format": fmt}) == {"json_schema": STRICT_PERSON, "strict": True}
+    fmt["json_schema"]["strict"] = False
+    assert grammar_of({"response_format": fmt}) == {"json_schema": STRICT_PERSON}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": STRICT_PERSON}}
+    named = {"type": "function", "function": {"name": "f"}}
+    assert grammar_of({"tools": [tool], "tool_choice": named}) == {"json_schema": STRICT_PERSON, "strict": True}
+    required = grammar_of({"tools": [tool, WEATHER], "tool_choice": "required"})
+    assert "strict" not in required  # WEATHER is not strict: its schema is read as written
+    [strict_call, _] = required["json_schema"]["items"]["anyOf"]
+    assert strict_call["properties"]["arguments"]["additionalProperties"] is False
+    bad = {**tool, "function": {**tool["function"], "parameters": {**STRICT_PERSON, "nullable": True}}}
+    with pytest.raises(CeleryTPError, match="field 'tools.0.function.parameters'.*'nullable'"):
+        grammar_of({"tools": [bad], "tool_choice": "auto"})
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {**STRICT_PERSON, "nullable": True},
+                                                  "strict": True}}
+    with pytest.raises(CeleryTPError, match="field 'response_format.json_schema.schema'.*'nullable'"):
+        grammar_of({"response_format": fmt})

@@ -6,7 +6,8 @@ turns into a token mask with llguidance (worker/grammar.py). Tools reach the mod
 chat template when the template renders `tools`; otherwise (SmolLM2's template does not) their
 descriptions go in a system message, as vLLM does for such templates. A forced call
 (`tool_choice` "required" or a named function) is constrained to the functions' parameter
-schemas, so it always parses; with "auto" the model may answer in text or call a tool by writing
+schemas (followed exactly for a function with `strict: true`, core/grammar.py), so it always
+parses; with "auto" (unconstrained, strict or not) the model may answer in text or call a tool by writing
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which is parsed out of its text.
 
 The answer is read the same way whole or as it streams (ToolMode.scan): a call's `arguments` is
@@ -21,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from celerytp.core.grammar import check_grammar
+from celerytp.core.grammar import check_grammar, strict_schema
 from celerytp.core.validation import bad_request
 
 TOOL_PROMPT = (
@@ -32,13 +33,19 @@ TOOL_PROMPT = (
 ANY_OBJECT = {"type": "object"}
 
 
-def check_schema(schema: Any, field: str) -> None:
-    """Refuse (400 naming `field`) a JSON schema llguidance cannot compile."""
+def check_schema(schema: Any, field: str, strict: bool = False) -> None:
+    """Refuse (400 naming `field`) a JSON schema llguidance cannot compile; `strict`, also one with
+    a keyword the grammar cannot enforce (core/grammar.py)."""
     if not isinstance(schema, dict):
         raise bad_request(field, "a JSON schema object is required")
-    problem = check_grammar({"json_schema": schema})
+    problem = check_grammar(schema_grammar(schema, strict))
     if problem:
         raise bad_request(field, f"not a usable JSON schema: {problem[:300]}")
+
+
+def schema_grammar(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """The GenSpec grammar of a JSON schema: strict, followed exactly (core/grammar.py)."""
+    return {"json_schema": schema, "strict": True} if strict else {"json_schema": schema}
 
 
 MARKER = "<tool_call>"
@@ -292,6 +299,10 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or ANY_OBJECT
 
 
+def _strict(tool: dict[str, Any]) -> bool:
+    return tool["function"].get("strict") is True
+
+
 def structure(body: Any, options: dict[str, Any], chat_template: str | None) -> ToolMode | None:
     """Check `body`'s response_format/tools/tool_choice/parallel_tool_calls and put what they
     ask for into the leader's `options` (a grammar, the tools in the prompt); the ToolMode that
@@ -303,7 +314,7 @@ def structure(body: Any, options: dict[str, Any], chat_template: str | None) -> 
     if getattr(body, "tools", None) is not None and not tools:
         raise bad_request("tools", "at least one function is required (omit tools for none)")
     for i, tool in enumerate(tools):
-        check_schema(_parameters(tool), f"tools.{i}.function.parameters")
+        check_schema(_parameters(tool), f"tools.{i}.function.parameters", _strict(tool))
     names = [tool["function"]["name"] for tool in tools]
     if len(set(names)) != len(names):
         raise bad_request("tools", "function names must be unique")
@@ -325,8 +336,9 @@ def structure(body: Any, options: dict[str, Any], chat_template: str | None) -> 
         else:
             if fmt.json_schema is None:
                 raise bad_request("response_format.json_schema", "required when type is 'json_schema'")
-            check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
-            options["grammar"] = {"json_schema": fmt.json_schema.schema_}
+            strict = fmt.json_schema.strict is True
+            check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", strict)
+            options["grammar"] = schema_grammar(fmt.json_schema.schema_, strict)
     if not tools_in_play:
         return None
     mode = ToolMode(tools, None if choice in (None, "auto") else choice, parallel is not False)
@@ -335,13 +347,16 @@ def structure(body: Any, options: dict[str, Any], chat_template: str | None) -> 
     else:
         options["messages"] = with_tool_prompt(options["messages"], tools)
     if mode.forced == "required":
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
-                                                            "arguments": _parameters(tool)},
-                           "required": ["name", "arguments"], "additionalProperties": False} for tool in tools]}
+        # a strict function's arguments follow its parameters exactly, the others' as JSON Schema reads them
+        call = {"anyOf": [{"type": "object", "properties": {
+            "name": {"const": tool["function"]["name"]},
+            "arguments": strict_schema(_parameters(tool)) if _strict(tool) else _parameters(tool)},
+            "required": ["name", "arguments"], "additionalProperties": False} for tool in tools]}
         array = {"type": "array", "items": call, "minItems": 1, **({} if mode.parallel else {"maxItems": 1})}
-        options["grammar"] = {"json_schema": array}
+        options["grammar"] = schema_grammar(array, all(_strict(tool) for tool in tools))
     elif mode.forced is not None:
-        options["grammar"] = {"json_schema": _parameters(next(t for t in tools if t["function"]["name"] == mode.forced))}
+        tool = next(t for t in tools if t["function"]["name"] == mode.forced)
+        options["grammar"] = schema_grammar(_parameters(tool), _strict(tool))
     return mode
 
 

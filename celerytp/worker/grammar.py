@@ -1,6 +1,7 @@
 """Structured output on rank 0: a request's grammar as a token mask, with llguidance.
 
-A request that carries a grammar (GenSpec.grammar: `{"json_schema": {...}}` or `{"lark": "..."}`)
+A request that carries a grammar (GenSpec.grammar: `{"json_schema": {...}}`, with `"strict": true`
+when the schema is to be followed exactly (core/grammar.py), or `{"lark": "..."}`)
 gets a matcher when it enters a row. Each step its row's logits are whole on rank 0 (the row
 takes the WHOLE path of worker/sampling.py `slice_mode`), the matcher's mask sets every token
 the grammar forbids to -inf, and the sampled token advances the matcher. A grammar that can go
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.grammar import grammar_text
+from celerytp.core.grammar import check_grammar, grammar_text
 
 _CACHE_SIZE = 64
 _lock = threading.Lock()
@@ -59,6 +60,10 @@ class RowGrammar:
             if template is not None:
                 _compiled.move_to_end(key)
         if template is None:
+            # strict (core/grammar.py): checked as the leader checks it, an approximation refused too
+            problem = check_grammar(grammar) if grammar.get("strict") is True else None
+            if problem:
+                raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'grammar': {problem}")
             try:
                 template = llguidance.LLMatcher(ll, grammar_text(grammar), log_level=0)
             except (ValueError, TypeError) as exc:  # refused alone: the loop goes on with the other rows
