@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from celerytp.cluster import LocalCluster
+from celerytp.core.keys import loop_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP = "st"
@@ -69,6 +71,17 @@ def test_status_while_a_request_decodes(cluster):
     assert loop["running"] and loop["inflight"] == 1 and loop["steps"] >= 1
 
 
+def test_a_loop_that_ends_idle_is_no_failure(cluster):
+    cluster.leader.generate("smol", prompt="Hello", max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 30
+    while cluster.leader.redis.exists(loop_key(GROUP, "smol")):  # the loop ends idle_s after its last request
+        assert time.monotonic() < deadline, "the serving loop did not end"
+        time.sleep(0.1)
+    cluster.leader.clear_kv_cache("smol")  # an op queued behind the serve op: it ended (and counted) by now
+    loop = status_json(cluster)["models"][0]["loops"][GROUP]
+    assert not loop["running"] and loop["requests"] >= 1 and loop["failures"] == {}
+
+
 def test_status_text_is_one_screen_without_secrets(cluster):
     done = celerytp("status", "--group", GROUP, "--tp", "1", broker=cluster.broker_url)
     assert done.returncode == 0, done.stderr
@@ -80,6 +93,8 @@ def test_status_text_is_one_screen_without_secrets(cluster):
     assert password not in out + done.stderr
     assert cluster.leader.models()["smol"]["path"] not in out  # no model root on the screen
     assert len(out.splitlines()) < 40
+    header, row = [line.split() for line in out.split("LOOPS\n")[1].splitlines()[:2]]
+    assert header[-1] == "failures" and row[:2] == ["smol", GROUP] and row[-1] == "0"
 
 
 @pytest.mark.parametrize(("args", "code", "expected"), [
@@ -116,3 +131,22 @@ def test_a_load_the_ranks_refuse_exits_1(cluster, models_root, tmp_path, where):
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "Traceback" not in done.stderr, done.stderr
     assert "bogus" not in cluster.leader.models()
+
+
+def test_a_failed_loop_is_counted_by_kind(cluster):
+    """A real loop failure, provoked without mocks: the loop's lease (its flag) is taken from it
+    while it decodes, as when a loop stalls past its lease and another loop takes over. Rank 0 sees
+    it at its next write and aborts the loop (kind internal): counted once, shown by kind."""
+    stream = cluster.leader.stream("smol", prompt="Once upon a time", max_tokens=400, temperature=0, ignore_eos=True)
+    with stream:
+        next(iter(stream))
+        cluster.leader.redis.set(loop_key(GROUP, "smol"), "taken-by-another-loop", px=2000)  # lapses: loops start again
+        deadline = time.monotonic() + 30
+        while not (loop := status_json(cluster)["models"][0]["loops"][GROUP])["failures"]:
+            assert time.monotonic() < deadline, "the failed loop was not counted"
+            time.sleep(0.2)
+    assert loop["failures"] == {"internal": 1}
+    done = celerytp("status", "--group", GROUP, "--tp", "1", broker=cluster.broker_url)
+    assert done.returncode == 0, done.stderr
+    row = next(line.split() for line in done.stdout.split("LOOPS\n")[1].splitlines() if line.startswith("smol "))
+    assert row[-1] == "internal=1"

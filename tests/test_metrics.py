@@ -211,3 +211,43 @@ def test_errors_are_counted_and_refusals_are_not(served):
     samples = scrape(served.url)[1]
     assert samples[key("celerytp_request_success_total", model="other-model", finished_reason="error")] == 2
     assert samples[key("celerytp_request_success_total", model="other-model", finished_reason="stop")] == 0
+
+
+def test_loop_failures_count_once_per_loop_by_kind(served):
+    """Every rank that saw a loop fail reports it; the loop counts once, under the kind of the first
+    report, and /metrics shows it per model, kind and group (in this server's Redis, for a group
+    and model that no rank serves, so the served ones stay untouched)."""
+    from celerytp.core.loop_failures import record_loop_failure
+
+    client = served.leader.redis
+    assert record_loop_failure(client, "lf-group", "lf-model", "loop-a", "forward_failed")  # rank 1, where it began
+    assert not record_loop_failure(client, "lf-group", "lf-model", "loop-a", "rank_lost")  # rank 0, the same loop
+    assert record_loop_failure(client, "lf-group", "lf-model", "loop-b", "rank_lost")
+    assert record_loop_failure(client, "lf-group", "lf-model", "loop-c", "rank_lost")
+    assert record_loop_failure(client, "lf-group", "lf-model", "loop-d", "broker_unavailable")
+    types, samples = scrape(served.url)
+    assert types["celerytp_serving_loop_failures"] == "counter"
+    failures = {k: v for k, v in samples.items() if k.startswith("celerytp_serving_loop_failures_total")
+                and "('model', 'lf-model')" in k}
+    assert failures == {
+        key("celerytp_serving_loop_failures_total", model="lf-model", group="lf-group", kind=kind): count
+        for kind, count in {"forward_failed": 1, "rank_lost": 2, "broker_unavailable": 1, "timeout": 0,
+                            "group_broken": 0, "internal": 0}.items()
+    }
+
+
+def test_normal_serving_counts_no_loop_failure(served, client):
+    """Loops that served and ended idle (every test above ran some) count no failure; the counter
+    is there at 0 for the served model's group all the same."""
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert reply.choices[0].text
+    running = key("celerytp_serving_loop_running", model=MODEL, group=GROUP)
+    samples = wait_for(served.url, lambda s: s.get(running) == 0)  # the loop ended idle (idle_s after it)
+    assert samples[running] == 0
+    served.leader.clear_kv_cache(MODEL)  # an op queued behind the serve op: it ended (and counted) by now
+    samples = scrape(served.url)[1]
+    failures = {k: v for k, v in samples.items() if k.startswith("celerytp_serving_loop_failures_total")
+                and f"('model', '{MODEL}')" in k}
+    assert key("celerytp_serving_loop_failures_total", model=MODEL, group=GROUP, kind="rank_lost") in failures
+    assert key("celerytp_serving_loop_failures_total", model=MODEL, group=GROUP, kind="internal") in failures
+    assert set(failures.values()) == {0}, failures

@@ -1,5 +1,6 @@
 """`celerytp status`: one screen of what a Redis's groups are doing: groups, ranks (alive, busy,
-RSS), models with their replicas, queue depths and serving-loop figures; also as JSON.
+RSS), models with their replicas, queue depths and serving-loop figures (failed loops by kind
+included); also as JSON.
 
 Everything comes from Redis (heartbeats, the model registry, queues, loop flags and figures)
 except each rank's RSS and models, which the rank workers answer to the `celerytp_status`
@@ -15,6 +16,7 @@ from typing import Any
 from celerytp.client.registry import discover_groups, served
 from celerytp.core.keys import dispatch_lock_key, inflight_key, loop_key, loop_stats_key, queue_key
 from celerytp.core.liveness import read_owners
+from celerytp.core.loop_failures import counted_loops, loop_failures
 
 RECORD_FIELDS = ("quant", "dtype", "max_batch", "max_context", "max_queue", "vocab_size")
 
@@ -53,10 +55,14 @@ def cluster_status(leader: Any, timeout: float = 1.0) -> dict[str, Any]:
              for group, ranks in beats.items() for rank, beat in enumerate(ranks) if beat]
     replies = {(r.get("group"), r.get("rank")): r for r in rank_replies(leader, names, timeout)}
 
+    counted = counted_loops(client)  # a group that failed and is no replica any more is shown too
+    loop_groups = {model: sorted({*record["replicas"], *(g for g, m in counted if m == model)})
+                   for model, record in models.items()}
+    failures = loop_failures(client, [(g, m) for m, groups in loop_groups.items() for g in groups])
     pipe = client.pipeline(transaction=False)
-    for model, record in models.items():
+    for model in models:
         pipe.llen(queue_key(model))
-        for group in sorted(record["replicas"]):
+        for group in loop_groups[model]:
             pipe.exists(loop_key(group, model))
             pipe.llen(inflight_key(group, model))
             pipe.hgetall(loop_stats_key(group, model))
@@ -68,10 +74,11 @@ def cluster_status(leader: Any, timeout: float = 1.0) -> dict[str, Any]:
     for model, record in models.items():
         loops = {}
         queued = next(answers)
-        for group in sorted(record["replicas"]):
+        for group in loop_groups[model]:
             running, inflight, stats = next(answers), next(answers), next(answers)
             loops[group] = {"running": bool(running), "inflight": inflight,
-                            **{k.decode(): int(float(v)) for k, v in stats.items()}}
+                            **{k.decode(): int(float(v)) for k, v in stats.items()},
+                            "failures": failures[(group, model)]}
             if running:
                 serving.setdefault(group, []).append(model)
         model_rows.append({"model": model, "replicas": sorted(record["replicas"]), "queued": queued,
@@ -102,6 +109,11 @@ def _mib(value: Any) -> str:
     return f"{value / 2**20:.0f} MiB" if isinstance(value, int | float) else "?"
 
 
+def _failures(counts: dict[str, int]) -> str:
+    """Failed loops by kind, "0" when none: `rank_lost=2,internal=1`."""
+    return ",".join(f"{kind}={n}" for kind, n in sorted(counts.items(), key=lambda c: (-c[1], c[0]))) or "0"
+
+
 def _yes(value: bool) -> str:
     return "yes" if value else "no"
 
@@ -130,10 +142,12 @@ def render(status: dict[str, Any]) -> str:
             [m["model"], ",".join(m["replicas"]), m["queued"], m.get("max_batch"), m.get("max_context"), m.get("quant")]
             for m in status["models"]])
         lines += ["", "LOOPS"]
-        headers = ["model", "group", "running", "rows", "inflight", "steps", "requests", "peak_rows", "reused_tokens"]
+        headers = ["model", "group", "running", "rows", "inflight", "steps", "requests", "peak_rows", "reused_tokens",
+                   "failures"]
         lines += table(headers, [
             [m["model"], group, _yes(loop["running"]), loop.get("running_rows", 0) if loop["running"] else 0,
-             loop["inflight"], *(loop.get(k) for k in ("steps", "requests", "peak_rows", "reused_tokens"))]
+             loop["inflight"], *(loop.get(k) for k in ("steps", "requests", "peak_rows", "reused_tokens")),
+             _failures(loop.get("failures") or {})]
             for m in status["models"] for group, loop in sorted(m["loops"].items())])
     else:
         lines.append("(no model loaded)")

@@ -97,6 +97,23 @@ def loop_failures_key(model_id: str) -> str:
     return f"celerytp:model:{model_id}:failures"
 
 
+def loop_failure_counts_key(group: str, model_id: str) -> str:
+    """Hash: error kind -> how many of the group's serving loops of the model failed with it, ever
+    (a counter: never cleared; core/loop_failures.py)."""
+    return f"celerytp:{group}:loopfailures:{model_id}"
+
+
+def loop_failure_seen_key(group: str, loop_id: str) -> str:
+    """Set by the first rank of the group to record that its serving loop `loop_id` failed (the
+    other ranks' reports of the same loop then count nothing)."""
+    return f"celerytp:{group}:loopfailed:{loop_id}"
+
+
+def loop_failure_index_key() -> str:
+    """Set of JSON [group, model_id] pairs that have a loop_failure_counts_key hash."""
+    return "celerytp:loopfailures"
+
+
 def served_models_key() -> str:
     """Set of the model ids that some group serves (keys of replicas_key)."""
     return "celerytp:models"

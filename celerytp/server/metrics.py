@@ -5,8 +5,9 @@ What served requests add up to (tokens, finish reasons, latency histograms) is k
 in this process: the HTTP API and every `celerytp.generate` front-door worker add to the same
 counters (`record_served`), so `/metrics` of any server shows all the traffic of the Redis it
 uses. Gauges (running and waiting requests, KV-cache usage, rank heartbeats) are read from Redis
-at scrape time. Only the HTTP server's own figures (requests by endpoint and status, admin chord
-latency) live in this process's registry.
+at scrape time, and so are the serving loops' failures by kind (core/loop_failures.py). Only the
+HTTP server's own figures (requests by endpoint and status, admin chord latency) live in this
+process's registry.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from celerytp.client.registry import discover_groups, served
 from celerytp.core.keys import loop_key, loop_stats_key, queue_key
 from celerytp.core.liveness import read_owners
+from celerytp.core.loop_failures import USUAL_KINDS, counted_loops, loop_failures
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +231,34 @@ class ClusterState:
         yield from (rank_up, group_rank_up, group_up, size)
 
 
+class LoopFailures:
+    """celerytp_serving_loop_failures_total{model, kind, group}: the groups' serving loops that
+    failed, by kind, read from Redis at scrape time (every replica shows the usual kinds at 0 from
+    the start; a loop that ended well is not counted)."""
+
+    def __init__(self, client: Callable[[], redis.Redis]):
+        self._client = client
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        try:
+            families = list(self._families(self._client()))
+        except redis.RedisError as exc:
+            log.warning("metrics: cannot read the serving loops' failures from Redis: %s", exc)
+            return
+        yield from families
+
+    def _families(self, client: redis.Redis) -> Iterable[CounterMetricFamily]:
+        pairs = counted_loops(client)
+        pairs |= {(group, model) for model, record in served(client).items() for group in record["replicas"]}
+        family = CounterMetricFamily("celerytp_serving_loop_failures",
+                                     "serving loops that failed, by error kind (an idle exit is not a failure)",
+                                     labels=["model", "kind", "group"])
+        for (group, model), counts in sorted(loop_failures(client, sorted(pairs)).items()):
+            for kind in sorted({*map(str, USUAL_KINDS), *counts}):
+                family.add_metric([model, kind, group], counts.get(kind, 0))
+        yield family
+
+
 class Metrics:
     """The server's registry (not the process-global one: several servers in one process stay apart)."""
 
@@ -251,3 +281,4 @@ def watch_cluster(metrics: Metrics, client: Callable[[], redis.Redis], group: st
     """Add the Redis-backed collectors of a group's cluster to `metrics`."""
     metrics.watch(ServedCollector(client))
     metrics.watch(ClusterState(client, group, world_size))
+    metrics.watch(LoopFailures(client))

@@ -5,7 +5,8 @@ Rank 0's own setup is guarded and agreed on the control group before the loop st
 Whatever makes the loop fail, the requests it held go back to the head of the model's queue
 (`serve`), to resume on this group once healed or on another replica; when no group is left to
 serve the model, the queued requests are answered with the error (`refuse_queued`), so no
-requester waits for a loop that will not come.
+requester waits for a loop that will not come. A failed loop is counted by kind (`refuse_queued`,
+core/loop_failures.py) for `celerytp status` and /metrics; a loop that ends well counts nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import redis
 
 from celerytp.core import protocol as p
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.loop_failures import record_loop_failure
 from celerytp.worker.model_ops import model_entry
 from celerytp.worker.request_source import RedisRequestSource
 from celerytp.worker.serving import ServingLoop
@@ -65,9 +67,13 @@ def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
 
 
 def refuse_queued(state: RankState, request: p.Request, error: CeleryTPError) -> None:
-    """A serve op failed: rank 0 gives back what it held and, when no group is left to serve the
-    model, answers the queued requests with the error (see RedisRequestSource.refuse)."""
-    if state.rank != 0 or not isinstance(request, p.ServeRequest):
+    """A serve op failed: every rank counts it (once per loop, whichever rank reports first;
+    core/loop_failures.py), and rank 0 gives back what it held and, when no group is left to serve
+    the model, answers the queued requests with the error (see RedisRequestSource.refuse)."""
+    if not isinstance(request, p.ServeRequest):
+        return
+    record_loop_failure(state.redis, state.config.group, request.model_id, request.loop_id, error.kind)
+    if state.rank != 0:
         return
     source = RedisRequestSource(state.redis, state.config.group, request.model_id, request.loop_id)
     try:
