@@ -4,6 +4,7 @@ group, comm_id, models and RSS), `celery -A celerytp.app flower`, and a front-do
 (`celery -A celerytp.app worker -Q celerytp.<group>.requests -P threads`).
 
 Configured from the environment: CELERYTP_BROKER (Redis URL), CELERYTP_GROUP, CELERYTP_WORLD_SIZE.
+It is the process's current and default app, as the app of a Celery project is.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ app = make_frontend_app(
     os.environ.get("CELERYTP_GROUP", DEFAULT_GROUP),
     int(os.environ.get("CELERYTP_WORLD_SIZE", "1")),
 )
+# `make_app` keeps the apps it makes out of Celery's current and default app (several live in one
+# process: leaders, tests), so this one must be made so here. Celery's tools read the current app
+# where they take none: Flower's /api/task/result/<id> builds `AsyncResult(id)` and, without this,
+# gets Celery's fallback app, which has no result backend (an empty 503). Current for the importing
+# thread (`celery -A` imports it in its main thread) and default for every other.
+app.set_current()
+app.set_default()
 
 if "flower" in sys.modules:  # `celery -A celerytp.app flower`: Celery loaded its command plugins first
     from celerytp.core.safe_transport import teach_flower

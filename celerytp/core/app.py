@@ -73,6 +73,8 @@ def make_app(broker_url: str, group: str = DEFAULT_GROUP, world_size: int = 1, m
     directory or glob of the certificates whose holders may drive the ranks), every task message
     is signed and only messages signed by a trusted certificate run (Celery's `auth` serializer).
     Signing is process-wide: one process holds one signing identity.
+    The app is not made Celery's current or default app: several live in one process (leaders,
+    tests). celerytp/app.py, the app of `celery -A celerytp.app` (Flower included), makes its own so.
     """
     app = Celery(main, set_as_current=False)
     app.conf.update(celery_config(broker_url, group, range(world_size)))

@@ -9,10 +9,11 @@ the error kind, the same kind the HTTP API puts in `code` (`bad_request: field '
 celerytp installed can rebuild it. While it generates, the task is in state PROGRESS with
 `{"model", "text", "tokens"}` so far as its info (updated at most every PROGRESS_S).
 A task revoked or expired while it runs cancels its request and ends REVOKED, as Celery ends a
-task revoked before it starts. Tasks are acknowledged late: one whose front-door worker died is
-redelivered, and runs as a follower of its request (the task id is the request id), not twice.
-Finished and failed requests are counted where the HTTP API counts its own (Service.count, in
-Redis), so any server's /metrics shows the Celery traffic too.
+task revoked before it starts (the result, a `task-revoked` event for Flower, the signal). Tasks
+are acknowledged late: one whose front-door worker died is redelivered, and runs as a follower of
+its request (the task id is the request id), not twice. Finished and failed requests are counted
+where the HTTP API counts its own (Service.count, in Redis), so any server's /metrics shows the
+Celery traffic too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from celery.exceptions import Ignore
 from celery.worker import state as worker_state
 from kombu import Queue
@@ -146,9 +147,16 @@ def register_generate(app: Celery, service: Callable[[], Service]) -> None:
         finally:
             done.set()
         if why and reply["finish_reason"] == "cancelled":
-            # Celery's own ending for a revoked task: state REVOKED, `.get()` raises TaskRevokedError.
-            # Ignore keeps the worker from writing SUCCESS over it.
+            # Celery's own ending for a revoked task, as its worker ends one revoked before it starts:
+            # state REVOKED (`.get()` raises TaskRevokedError), the task-revoked event (monitors such
+            # as Flower follow events, and leave the task STARTED without it) and the task_revoked
+            # signal. Ignore keeps the worker from writing SUCCESS over it, and acknowledges the message.
+            expired = why[0] == "expired"
             task.backend.mark_as_revoked(task.request.id, why[0], request=task.request)
+            worker_request = _worker_request(task.request.id)
+            if worker_request is not None:  # None where the task runs outside a worker (eagerly)
+                worker_request.send_event("task-revoked", terminated=False, signum=None, expired=expired)
+            signals.task_revoked.send(sender=task, request=task.request, terminated=False, signum=None, expired=expired)
             raise Ignore()
         return reply
 
@@ -169,6 +177,17 @@ def cancel_when_abandoned(
             except redis.RedisError as exc:  # the request's own wait reports Redis failing
                 log.warning("could not cancel the request of %s task %s: %s", why[0], task_id, exc)
             return
+
+
+def _worker_request(task_id: str | None) -> Any:
+    """The worker's own Request of a task running in this process, or None. Its `send_event` sends
+    on the worker's event dispatcher, only while task events are on (Flower turns them on)."""
+    for _ in range(3):
+        try:  # the threads pool adds and removes other tasks' requests meanwhile
+            return next((r for r in list(worker_state.active_requests) if r.id == task_id), None)
+        except RuntimeError:  # the set changed size while it was read: read it again
+            continue
+    return None
 
 
 def _request_id(task_id: str | None) -> str:
