@@ -47,13 +47,23 @@ class TPContext:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        _CONTEXTS[id(self)] = self  # now: a compiled graph's custom ops only look it up
+        _CONTEXTS[self.key] = self  # now: a compiled graph's custom ops only look it up
+
+    @property
+    def key(self) -> int:
+        """The number a compiled graph's collective ops carry to find this context (`_CONTEXTS`).
+        The same in every process for the default group (rank and world size say all of it), so a
+        graph compiled by another process, or before a restart, is the same graph: inductor's
+        on-disk cache then serves it instead of compiling again (an id() there missed every time)."""
+        if self.group is None:
+            return self.world_size * _GROUP_KEYS_START + self.rank
+        return _GROUP_KEYS.setdefault(id(self.group), len(_GROUP_KEYS) + 1) * _GROUP_KEYS_START ** 2 + self.rank
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over all ranks and return it (inside a compiled graph: a new
         tensor holding the sum, through the celerytp::all_reduce custom op)."""
         if self.world_size > 1 and torch.compiler.is_compiling():
-            return torch.ops.celerytp.all_reduce(tensor, id(self))
+            return torch.ops.celerytp.all_reduce(tensor, self.key)
         if self.world_size > 1:
             self._check(tensor)
             fast = self._shm(tensor)
@@ -69,7 +79,7 @@ class TPContext:
         if self.world_size == 1:
             return tensor
         if torch.compiler.is_compiling():
-            return torch.ops.celerytp.gather_last_dim(tensor, id(self), sizes)
+            return torch.ops.celerytp.gather_last_dim(tensor, self.key, sizes)
         if tensor.shape[-1] != sizes[self.rank]:
             raise ValueError(f"rank {self.rank}: last dim {tensor.shape[-1]} != its size {sizes[self.rank]}")
         padded = F.pad(tensor, (0, max(sizes) - tensor.shape[-1])).contiguous()
@@ -109,9 +119,12 @@ class TPContext:
 # ---- the collectives as custom ops, so a compiled decode step is one graph ---------------------
 # torch.compile cannot trace into gloo or the shared-memory segment; as opaque custom ops the
 # collectives stay in the graph (no graph break per layer) and run eagerly when it executes.
-# The ops take only tensors and numbers, so they carry a context's id(); every TPContext is
-# entered here when it is made (held weakly: an id is not reused while its context lives).
+# The ops take only tensors and numbers, so they carry a context's `key`; every TPContext is
+# entered here when it is made (held weakly). Equal contexts share a key: they are
+# interchangeable (same rank, world size and group).
 _CONTEXTS: weakref.WeakValueDictionary[int, TPContext] = weakref.WeakValueDictionary()
+_GROUP_KEYS: dict[int, int] = {}  # id(process group) -> its number, for contexts off the default group
+_GROUP_KEYS_START = 1 << 16  # above any rank
 
 
 # Defined through torch.library.Library rather than the `custom_op` decorator: a decode step
