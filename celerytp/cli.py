@@ -385,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-tokens", type=positive_int, default=128)
-    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config, else 1)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 = greedy (default: the model's generation_config, else 1)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
     gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")

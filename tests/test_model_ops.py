@@ -282,5 +282,5 @@ def test_half_precision_weights_load_only_where_they_are_not_slower(monkeypatch)
         check_half_precision(torch.bfloat16, cpu)
     check_half_precision(torch.float16, cpu)  # within 10%: as fast
     check_half_precision(torch.bfloat16, torch.device("cuda"))  # GPUs are built for it
-    monkeypatch.setenv(half_precision.ALLOW_ENV, "1")
+    monkeypatch.setenv(half_precision.ALLOW_SLOW_HALF_ENV, "1")
     check_half_precision(torch.bfloat16, cpu)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from celerytp.core.switches import SHM_ENV
 from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed, ControlGroup
 
@@ -199,10 +200,10 @@ def test_dead_peer_raises_the_timeout_within_the_deadline(tmp_path: Path) -> Non
 
 def test_switch_and_segment_names() -> None:
     assert shm.segment_name("my group", "a/b") == "celerytp-my_group-a_b"
-    os.environ[shm.ENV_SWITCH] = "0"
+    os.environ[SHM_ENV] = "0"
     try:
         assert not shm.enabled()
         assert shm.attach("g", "c", 0, 2, 1.0) is None  # off: no collective is entered at all
     finally:
-        del os.environ[shm.ENV_SWITCH]
+        del os.environ[SHM_ENV]
     assert shm.enabled()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from celerytp.cluster import LocalCluster
+from celerytp.core.switches import SHM_ENV
 from celerytp.distributed import shm
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def _greedy(cluster: LocalCluster) -> list[int]:
 
 
 def test_greedy_tokens_same_with_shm_on_and_off_and_no_segment_leaks() -> None:
-    with LocalCluster(world_size=2, group="shm_off", env={shm.ENV_SWITCH: "0"}) as cluster:
+    with LocalCluster(world_size=2, group="shm_off", env={SHM_ENV: "0"}) as cluster:
         assert all(not _mappings(pid, "shm_off") for pid in _ranks(cluster))
         tokens_off = _greedy(cluster)
 

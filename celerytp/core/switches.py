@@ -1,11 +1,15 @@
 """The rank workers' environment switches, read in one place (no torch here), so that the CLI
 refuses a mistyped value before it starts anything, and a worker's load fails on it before it
-reads a weight.
+reads a weight. The test suite runs every one at its default (tests/conftest.py sets none); a test
+that needs another value sets it itself and says why.
 
-| variable | values | what it switches |
+| variable | values (default first) | what it switches |
 |---|---|---|
-| CELERYTP_COMPILE | auto (default), 1, 0 | compiled decode (models/compiled.py) |
-| CELERYTP_PACK_LINEARS | auto (default), 1, 0 | float linears packed for oneDNN (layers/packed_linear.py) |
+| CELERYTP_COMPILE | auto, 1, 0 | compiled decode (models/compiled.py) |
+| CELERYTP_PACK_LINEARS | auto, 1, 0 | float linears packed for oneDNN (layers/packed_linear.py) |
+| CELERYTP_QUANT_KERNEL | auto, dequant, int8pack | the kernel of ggml-format linears (layers/quantized.py) |
+| CELERYTP_SHM | 1, 0 | same-host collectives through shared memory (distributed/shm.py) |
+| CELERYTP_ALLOW_SLOW_HALF | 0, 1 | load half-precision weights where they decode slower (models/half_precision.py) |
 
 1 and 0 may also be written true / yes / on and false / no / off.
 """
@@ -16,22 +20,34 @@ import os
 
 COMPILE_ENV = "CELERYTP_COMPILE"
 PACK_ENV = "CELERYTP_PACK_LINEARS"
+KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
+SHM_ENV = "CELERYTP_SHM"
+ALLOW_SLOW_HALF_ENV = "CELERYTP_ALLOW_SLOW_HALF"
+SWITCHES = {
+    COMPILE_ENV: ("auto", "1", "0"),
+    PACK_ENV: ("auto", "1", "0"),
+    KERNEL_ENV: ("auto", "dequant", "int8pack"),
+    SHM_ENV: ("1", "0"),
+    ALLOW_SLOW_HALF_ENV: ("0", "1"),
+}
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def switch(name: str) -> str:
-    """`name`'s value as "auto", "1" or "0" (unset: auto); ValueError for anything else."""
-    value = os.environ.get(name, "auto").strip().lower()
-    if value in _ON:
+    """`name`'s value as one of SWITCHES[name] (unset or empty: the first, its default);
+    ValueError naming the variable and its values for anything else."""
+    values = SWITCHES[name]
+    value = os.environ.get(name, "").strip().lower() or values[0]
+    if value in _ON and "1" in values:
         return "1"
-    if value in _OFF:
+    if value in _OFF and "0" in values:
         return "0"
-    if value != "auto":
-        raise ValueError(f"{name} must be auto, 1 or 0, got {value!r}")
+    if value not in values:
+        raise ValueError(f"{name} must be {', '.join(values[:-1])} or {values[-1]}, got {value!r}")
     return value
 
 
 def check_switches() -> None:
     """Every switch's value, or ValueError naming the first that is not one."""
-    for name in (COMPILE_ENV, PACK_ENV):
+    for name in SWITCHES:
         switch(name)

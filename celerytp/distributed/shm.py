@@ -40,9 +40,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from celerytp.core.switches import SHM_ENV, switch
+
 log = logging.getLogger(__name__)
 
-ENV_SWITCH = "CELERYTP_SHM"
 ENV_MAX_BYTES = "CELERYTP_SHM_MAX_BYTES"
 DEFAULT_MAX_BYTES = 1 << 20
 SHM_DIR = "/dev/shm"
@@ -79,7 +80,7 @@ _libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    return switch(SHM_ENV) == "1"
 
 
 def segment_name(group: str, comm_id: str) -> str:

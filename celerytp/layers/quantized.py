@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +41,13 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.switches import KERNEL_ENV, switch
 from celerytp.loading.checkpoint import Range, TensorSource
 from celerytp.quant.blocks import QK, Unpacked, quantize_blocks, unpack_blocks
 from celerytp.quant.formats import GGML_TYPES, TILED_FORMATS, QuantFormat, QuantPlan
 
 log = logging.getLogger(__name__)
 T = GGMLQuantizationType
-KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 INT4_TYPES = tuple(GGML_TYPES[name] for name in TILED_FORMATS)
 # Block types whose fast kernel keeps the block scales (int4split; measured by benchmarks/quant.py
 # --files, docs/performance.md "Quantized kernels"); a weight also read by rows takes int8pack.
@@ -263,7 +262,7 @@ def _candidates(qtype: GGMLQuantizationType, device: torch.device, dtype: torch.
     is also read by rows (a tied embedding: int8pack, which has row access) or
     CELERYTP_QUANT_KERNEL=int8pack; int8pack for any other block type.
     """
-    mode = os.environ.get(KERNEL_ENV, "auto")  # anything but dequant or int8pack: auto
+    mode = switch(KERNEL_ENV)  # auto, dequant or int8pack (a typo fails the load: core/switches.py)
     if mode == "dequant":
         return ["dequant"]
     if qtype in INT4_TYPES:

@@ -13,15 +13,14 @@ CELERYTP_ALLOW_SLOW_HALF=1 loads anyway (memory over speed).
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.switches import ALLOW_SLOW_HALF_ENV, switch
 from celerytp.layers.packed_linear import float_linear, packed_copy
 
-ALLOW_ENV = "CELERYTP_ALLOW_SLOW_HALF"
 _SHAPE = (1536, 576)  # SmolLM2's MLP: the size of matrix a small model's decode reads most
 _TOLERANCE = 1.1  # within 10% of float32 counts as as fast (the measurement is short)
 
@@ -30,7 +29,7 @@ def check_half_precision(dtype: torch.dtype, device: torch.device) -> None:
     """Raise CeleryTPError(bad_request) for half-precision weights that decode slower than float32 here."""
     if device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
         return
-    if os.environ.get(ALLOW_ENV, "").strip() in ("1", "true", "yes"):
+    if switch(ALLOW_SLOW_HALF_ENV) == "1":
         return
     half_us, float_us = matvec_us(dtype)
     if half_us > float_us * _TOLERANCE:
@@ -39,7 +38,7 @@ def check_half_precision(dtype: torch.dtype, device: torch.device) -> None:
             ErrorKind.BAD_REQUEST,
             f"field 'dtype': {name} weights would decode slower than float32 on this CPU (a {_SHAPE[0]}x{_SHAPE[1]} "
             f"matrix-vector product: {half_us:.0f} µs in {name}, {float_us:.0f} µs in float32); load in float32, or "
-            f"in a quant format such as q8_0 to save memory ({ALLOW_ENV}=1 loads {name} anyway)",
+            f"in a quant format such as q8_0 to save memory ({ALLOW_SLOW_HALF_ENV}=1 loads {name} anyway)",
         )
 
 
