@@ -11,14 +11,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+from celery.result import AsyncResult
 
 from celerytp.client.leader import Leader
 
 MODEL = "smol"
+FLOWER_AUTH = ("admin", "flower-test-pw")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -103,3 +105,59 @@ def start_served(
         for pid in workers:  # the embedded rank workers are gone too
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+@contextlib.contextmanager
+def start_flower(env: dict[str, str], queues: set[str], probe: Callable[[], AsyncResult]) -> Iterator[str]:
+    """`celery -A celerytp.app flower` with `env` (CELERYTP_BROKER, _GROUP, _WORLD_SIZE) and basic
+    auth FLOWER_AUTH: its base URL once it knows the workers' `queues` and hears the front door's
+    task events (it turns them on itself, every 5 s), so it sees the tasks sent after. `probe`
+    sends a short generate task."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={port}", "--address=127.0.0.1"],
+        env={**os.environ, "PYTHONPATH": ROOT, **env, "FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline, last = time.monotonic() + 60, "no answer"
+        while True:  # until Flower answers and knows the workers' queues
+            try:
+                answer = httpx.get(f"{base}/api/queues/length", auth=FLOWER_AUTH, timeout=10)
+                last = f"{answer.status_code} {answer.text[:300]}"
+                if answer.status_code == 200:
+                    if queues <= {q["name"] for q in answer.json()["active_queues"]}:
+                        break
+                else:
+                    assert answer.status_code in (401, 503), (answer.status_code, answer.text)  # not a 404
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, "flower exited"
+            assert time.monotonic() < deadline, f"flower gave no queue lengths: {last}"
+            time.sleep(0.5)
+        while True:  # until it hears the front door's task events
+            sent = probe()
+            sent.get(timeout=60)
+            time.sleep(0.5)
+            if httpx.get(f"{base}/api/task/info/{sent.id}", auth=FLOWER_AUTH, timeout=10).status_code == 200:
+                break
+            assert time.monotonic() < deadline, "flower never heard the front door's task events"
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def flower_api(flower: str, path: str, until: Callable[[dict], bool], deadline_s: float = 30) -> dict:
+    """Flower's answer to GET /api/PATH once `until` holds for it; every answer is a 200 (or, for
+    /api/task/info, a 404 until Flower has heard of the task)."""
+    deadline, last = time.monotonic() + deadline_s, None
+    while True:
+        answer = httpx.get(f"{flower}/api/{path}", auth=FLOWER_AUTH, timeout=10)
+        assert answer.status_code == 200 or (answer.status_code == 404 and path.startswith("task/info/")), (
+            answer.status_code, answer.text)
+        if answer.status_code == 200 and until(last := answer.json()):
+            return last
+        assert time.monotonic() < deadline, f"/api/{path}: {last}"
+        time.sleep(0.1)

@@ -18,14 +18,18 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from celery import Celery
+from celery.exceptions import TaskRevokedError
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import MODEL, rows_free_within, start_served
+from server_fixtures import MODEL, flower_api, rows_free_within, start_flower, start_served
 
 from celerytp.core.model_files import default_model_path
 from celerytp.core.switches import COMPILE_ENV, PACK_ENV
 from celerytp.core.tokenizer import load_tokenizer
 
 KEY = "as-shipped-key"
+GROUP = "srv"
+REQUESTS_QUEUE = f"celerytp.{GROUP}.requests"
 PERSON = {
     "type": "object",
     "properties": {
@@ -217,6 +221,53 @@ def test_a_structured_request_beside_a_long_stream(client, served):
     assert rest[-1].usage.completion_tokens == 120
     assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
     assert listed and all(MODEL in ids for ids in listed)
+
+
+@pytest.fixture(scope="module")
+def producer(served):
+    """A plain Celery app, as an application sends `celerytp.generate` (no celerytp needed)."""
+    app = Celery("as-shipped-producer", broker=served.broker_url, backend=served.broker_url)
+    yield app
+    app.close()
+
+
+def generate_task(producer: Celery, **kwargs):
+    return producer.send_task("celerytp.generate", kwargs=kwargs, queue=REQUESTS_QUEUE)
+
+
+@pytest.fixture(scope="module")
+def flower(served, producer):
+    env = {"CELERYTP_BROKER": served.broker_url, "CELERYTP_GROUP": GROUP, "CELERYTP_WORLD_SIZE": "2"}
+    with start_flower(env, {REQUESTS_QUEUE, f"celerytp.{GROUP}.rank.0"},
+                      lambda: generate_task(producer, prompt="Hi", max_tokens=1)) as base:
+        yield base
+
+
+def test_a_celery_generate_task_as_flower_shows_it(flower, producer, served):
+    """Its result; its PROGRESS while it runs (the text so far in the backend's meta); revoked as
+    docs/serving.md says (the task cancels its own request), REVOKED in the backend and in
+    Flower's event-fed task info."""
+    finished = generate_task(producer, prompt="Hi", max_tokens=3)
+    reply = finished.get(timeout=120)
+    assert reply["model"] == MODEL and reply["usage"]["completion_tokens"] <= 3
+    assert flower_api(flower, f"task/result/{finished.id}", lambda r: True) == {
+        "task-id": finished.id, "state": "SUCCESS", "result": reply}
+    info = flower_api(flower, f"task/info/{finished.id}", lambda r: r["state"] == "SUCCESS")
+    assert info["name"] == "celerytp.generate" and info["worker"].startswith(f"celerytp.{GROUP}.frontend@")
+
+    room = served.leader.models()[MODEL]["max_context"] - 64  # long enough on any machine to be seen running
+    running = generate_task(producer, prompt="Tell me a long story.", max_tokens=room, ignore_eos=True)
+    seen = flower_api(flower, f"task/result/{running.id}", lambda r: r["state"] != "PENDING", deadline_s=60)
+    assert seen == {"task-id": running.id, "state": "PROGRESS"}, seen  # Flower shows no meta before the end
+    assert running.info["model"] == MODEL and running.info["tokens"] > 0
+    flower_api(flower, f"task/info/{running.id}", lambda r: r["state"] == "STARTED")
+    producer.control.revoke(running.id)
+    with pytest.raises(TaskRevokedError, match="revoked"):
+        running.get(timeout=30)
+    done = flower_api(flower, f"task/result/{running.id}", lambda r: r["state"] != "PROGRESS")
+    assert done["state"] == "REVOKED" and "revoked" in done["result"], done
+    info = flower_api(flower, f"task/info/{running.id}", lambda r: r["state"] != "STARTED")
+    assert info["state"] == "REVOKED" and info["revoked"], info
 
 
 def loop_failures(served) -> dict[str, float]:

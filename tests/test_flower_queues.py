@@ -2,9 +2,8 @@
 outside, with only what the file says: the file itself (mode 0600, never on the terminal),
 `celery -A celerytp.app inspect ping`, a plain Celery producer of `celerytp.generate`, and Flower
 (`celery -A celerytp.app flower`, as docs/serving.md says) whose Broker page and
-/api/queues/length show the rank queue's and the front door's queue lengths, and whose
-/api/task/result and /api/task/info show a `celerytp.generate` task's result, its PROGRESS while
-it runs and its revocation."""
+/api/queues/length show the rank queue's and the front door's queue lengths (what Flower shows of
+a `celerytp.generate` task: tests/test_as_shipped.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +12,16 @@ import shlex
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 from celery import Celery
-from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
-from server_fixtures import MODEL, ROOT, free_port, start_served
+from server_fixtures import FLOWER_AUTH as AUTH
+from server_fixtures import MODEL, ROOT, start_flower, start_served
 
 GROUP = "srv"
 RANK_QUEUE, REQUESTS_QUEUE = f"celerytp.{GROUP}.rank.0", f"celerytp.{GROUP}.requests"
-AUTH = ("admin", "flower-test-pw")
 
 
 @pytest.fixture(scope="module")
@@ -78,56 +74,9 @@ def test_celery_inspect_and_a_producer_reach_it_through_the_file(served, produce
 
 @pytest.fixture(scope="module")
 def flower(served, producer):
-    """`celery -A celerytp.app flower` for this module: its base URL once it knows the workers' queues
-    and hears the front door's task events (it turns them on itself), so it sees the tasks sent after."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "celerytp.app", "flower", f"--port={port}", "--address=127.0.0.1"],
-        env={**os.environ, "PYTHONPATH": ROOT, **connection_env(served), "FLOWER_BASIC_AUTH": ":".join(AUTH)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline, last = time.monotonic() + 60, "no answer"
-        while True:  # until Flower answers and knows the workers' queues
-            try:
-                answer = httpx.get(f"{base}/api/queues/length", auth=AUTH, timeout=10)
-                last = f"{answer.status_code} {answer.text[:300]}"
-                if answer.status_code == 200:
-                    if {RANK_QUEUE, REQUESTS_QUEUE} <= {q["name"] for q in answer.json()["active_queues"]}:
-                        break
-                else:
-                    assert answer.status_code in (401, 503), (answer.status_code, answer.text)  # not a 404
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, "flower exited"
-            assert time.monotonic() < deadline, f"flower gave no queue lengths: {last}"
-            time.sleep(0.5)
-        while True:  # until it hears the front door's task events (it turns them on every 5 s)
-            sent = send(producer, prompt="Hi", max_tokens=1)
-            sent.get(timeout=60)
-            time.sleep(0.5)
-            if httpx.get(f"{base}/api/task/info/{sent.id}", auth=AUTH, timeout=10).status_code == 200:
-                break
-            assert time.monotonic() < deadline, "flower never heard the front door's task events"
+    with start_flower(connection_env(served), {RANK_QUEUE, REQUESTS_QUEUE},
+                      lambda: send(producer, prompt="Hi", max_tokens=1)) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def flower_api(flower: str, path: str, until: Callable[[dict], bool], deadline_s: float = 30) -> dict:
-    """Flower's answer to GET /api/PATH once `until` holds for it; every answer is a 200 (or, for
-    /api/task/info, a 404 until Flower has heard of the task)."""
-    deadline, last = time.monotonic() + deadline_s, None
-    while True:
-        answer = httpx.get(f"{flower}/api/{path}", auth=AUTH, timeout=10)
-        assert answer.status_code == 200 or (answer.status_code == 404 and path.startswith("task/info/")), (
-            answer.status_code, answer.text)
-        if answer.status_code == 200 and until(last := answer.json()):
-            return last
-        assert time.monotonic() < deadline, f"/api/{path}: {last}"
-        time.sleep(0.1)
 
 
 def test_flower_shows_the_queue_lengths(served, flower):
@@ -137,33 +86,6 @@ def test_flower_shows_the_queue_lengths(served, flower):
     page = httpx.get(f"{flower}/broker", auth=AUTH, timeout=10)
     assert page.status_code == 200 and RANK_QUEUE in page.text and REQUESTS_QUEUE in page.text
     assert served.broker_url.split(":")[2].split("@")[0] not in page.text  # the page masks the password
-
-
-def test_flower_shows_a_finished_generate_tasks_result(flower, producer):
-    result = send(producer, prompt="Hi", max_tokens=3)
-    reply = result.get(timeout=120)
-    # The result backend, read by Flower's own AsyncResult(id) (the app `celery -A` loaded is current).
-    assert flower_api(flower, f"task/result/{result.id}", lambda r: True) == {
-        "task-id": result.id, "state": "SUCCESS", "result": reply}
-    info = flower_api(flower, f"task/info/{result.id}", lambda r: r["state"] == "SUCCESS")  # from task events
-    assert info["name"] == "celerytp.generate" and info["worker"].startswith(f"celerytp.{GROUP}.frontend@")
-
-
-def test_flower_shows_a_generate_task_in_progress_then_revoked(flower, producer):
-    """Long enough on any hardware to be seen running; revoked as docs/serving.md says (no terminate:
-    the front door's threads pool cannot kill a task, the task cancels its own request)."""
-    result = send(producer, prompt="Tell me a long story.", max_tokens=2000, ignore_eos=True, temperature=0)
-    running = flower_api(flower, f"task/result/{result.id}", lambda r: r["state"] != "PENDING", deadline_s=60)
-    assert running == {"task-id": result.id, "state": "PROGRESS"}, running  # Flower shows no info before the end
-    assert result.info["model"] == MODEL and result.info["tokens"] > 0  # the meta is the backend's
-    flower_api(flower, f"task/info/{result.id}", lambda r: r["state"] == "STARTED")
-    producer.control.revoke(result.id)
-    with pytest.raises(TaskRevokedError, match="revoked"):
-        result.get(timeout=30)
-    done = flower_api(flower, f"task/result/{result.id}", lambda r: r["state"] != "PROGRESS")
-    assert done["state"] == "REVOKED" and "revoked" in done["result"], done
-    info = flower_api(flower, f"task/info/{result.id}", lambda r: r["state"] != "STARTED")
-    assert info["state"] == "REVOKED" and info["revoked"], info  # its task-revoked event, as Celery sends
 
 
 def test_the_connection_file_replaces_a_readable_one_with_a_private_one(tmp_path):
