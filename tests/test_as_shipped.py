@@ -22,36 +22,21 @@ from celery import Celery
 from celery.exceptions import TaskRevokedError
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import MODEL, flower_api, rows_free_within, start_flower, start_served
+from test_structured_output import ASK, PERSON, WEATHER
 
 from celerytp.core.model_files import default_model_path
-from celerytp.core.switches import COMPILE_ENV, PACK_ENV
+from celerytp.core.switches import SWITCHES
 from celerytp.core.tokenizer import load_tokenizer
 
 KEY = "as-shipped-key"
 GROUP = "srv"
 REQUESTS_QUEUE = f"celerytp.{GROUP}.requests"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "colour": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "age", "colour"],
-    "additionalProperties": False,
-}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 STORY = [{"role": "user", "content": "Tell me a story about a dragon."}]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    for name in (COMPILE_ENV, PACK_ENV, "CELERYTP_QUANT_KERNEL", "CELERYTP_SHM"):
+    for name in SWITCHES:
         assert name not in os.environ, f"{name} is set: this module runs the shipped defaults"
     with start_served(tmp_path_factory, env={"CELERYTP_API_KEY": KEY}) as served:
         yield served

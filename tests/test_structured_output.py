@@ -299,13 +299,11 @@ def test_a_resumed_constrained_request_feeds_its_earlier_tokens_to_the_matcher()
 STRICT_PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "colour": {"enum": ["red", "green", "blue"]},
+        **PERSON["properties"],
         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
         "home": {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]},
     },
-    "required": ["name", "age", "colour"],
+    "required": PERSON["required"],
 }
 GOOD_PERSON = '{"name": "Al", "age": 30, "colour": "red", "tags": ["a"], "home": {"city": "Rome"}}'
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from celerytp.client.registry import discover_groups, served
 from celerytp.core.keys import loop_key, loop_stats_key, queue_key
@@ -153,22 +153,37 @@ class ServedCollector:
             yield family
 
 
-class ClusterState:
-    """Gauges read from Redis at scrape time: requests running and waiting, KV-cache usage, loop
-    state, and the heartbeats of every group's ranks."""
+class _ReadFromRedis:
+    """A collector whose families are read from Redis at scrape time (`_families`); when Redis
+    cannot be read it yields none and logs why, so the scrape still answers."""
 
-    def __init__(self, client: Callable[[], redis.Redis], group: str, world_size: int):
+    reading = ""  # what it reads, for the log
+
+    def __init__(self, client: Callable[[], redis.Redis]):
         self._client = client
-        self.group = group
-        self.world_size = world_size
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         try:
             families = list(self._families(self._client()))
         except redis.RedisError as exc:
-            log.warning("metrics: cannot read the cluster state from Redis: %s", exc)
+            log.warning("metrics: cannot read %s from Redis: %s", self.reading, exc)
             return
         yield from families
+
+    def _families(self, client: redis.Redis) -> Iterable[Metric]:
+        raise NotImplementedError
+
+
+class ClusterState(_ReadFromRedis):
+    """Gauges read from Redis at scrape time: requests running and waiting, KV-cache usage, loop
+    state, and the heartbeats of every group's ranks."""
+
+    reading = "the cluster state"
+
+    def __init__(self, client: Callable[[], redis.Redis], group: str, world_size: int):
+        super().__init__(client)
+        self.group = group
+        self.world_size = world_size
 
     def _families(self, client: redis.Redis) -> Iterable[GaugeMetricFamily]:
         models = served(client)
@@ -231,21 +246,12 @@ class ClusterState:
         yield from (rank_up, group_rank_up, group_up, size)
 
 
-class LoopFailures:
+class LoopFailures(_ReadFromRedis):
     """celerytp_serving_loop_failures_total{model, kind, group}: the groups' serving loops that
     failed, by kind, read from Redis at scrape time (every replica shows the usual kinds at 0 from
     the start; a loop that ended well is not counted)."""
 
-    def __init__(self, client: Callable[[], redis.Redis]):
-        self._client = client
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        try:
-            families = list(self._families(self._client()))
-        except redis.RedisError as exc:
-            log.warning("metrics: cannot read the serving loops' failures from Redis: %s", exc)
-            return
-        yield from families
+    reading = "the serving loops' failures"
 
     def _families(self, client: redis.Redis) -> Iterable[CounterMetricFamily]:
         pairs = counted_loops(client)
