@@ -24,8 +24,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.gguf_metadata import read_gguf_metadata
-from celerytp.core.model_files import is_gguf_file, read_json_object
+from celerytp.core.gguf_metadata import check_gguf_file, read_gguf_metadata
+from celerytp.core.model_files import check_model_directory, is_gguf_file, read_json_object, read_text_file
 
 # generation_config.json keys that map onto SamplingParams fields.
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -122,6 +122,7 @@ def clear_tokenizer_cache() -> None:
 
 
 def _directory_tokenizer(directory: Path) -> Tokenizer:
+    check_model_directory(directory)  # no FIFO, socket or device: nothing below blocks in open()
     if not (directory / "config.json").is_file() and not (directory / "tokenizer.json").is_file():
         ggufs = sorted(directory.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -129,7 +130,9 @@ def _directory_tokenizer(directory: Path) -> Tokenizer:
     config = read_json_object(directory / "tokenizer_config.json")
     if (directory / "tokenizer.json").is_file():
         try:
-            backend = Backend.from_file(str(directory / "tokenizer.json"))
+            backend = Backend.from_str(read_text_file(directory / "tokenizer.json"))
+        except CeleryTPError:
+            raise
         except Exception as exc:  # tokenizers raises a plain Exception for a bad file
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{directory}: cannot read tokenizer.json: {exc}") from exc
     else:
@@ -147,7 +150,7 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     """The template from chat_template.jinja (newer saves) or tokenizer_config.json."""
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        return read_text_file(jinja_file)
     template = config.get("chat_template") or read_json_object(directory / "chat_template.json").get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -180,6 +183,7 @@ def _gguf_tokenizer(file: Path) -> Tokenizer:
     if meta.get("tokenizer.ggml.model") == "gpt2":
         backend = _byte_level_bpe(meta, special)
     else:
+        check_gguf_file(file)  # transformers reads it with `gguf`, which trusts the header's counts
         backend, _ = _transformers_tokenizer(file.parent, {"gguf_file": file.name})
     # GGUF records one EOS; chat models also end turns with their end-of-turn special token.
     eos = {backend.token_to_id(special["eos_token"])} if "eos_token" in special else set()

@@ -11,6 +11,8 @@ map, its columns a block-aligned byte range of each row. Only that slice is dequ
 from __future__ import annotations
 
 import inspect
+import mmap
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ import gguf
 import numpy as np
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.gguf_metadata import check_gguf_layout
+from celerytp.core.model_files import open_regular
 from celerytp.loading.checkpoint import Checkpoint, TensorSource
 from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
@@ -58,19 +62,36 @@ def _reader_class() -> type[gguf.GGUFReader]:
 
 
 def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
-    """A GGUFReader for `path` (the faster subclass where this gguf version allows)."""
-    return _reader_class()(str(path))
+    """A GGUFReader for `path` (the faster subclass where this gguf version allows).
+
+    The reader loops over whatever counts a header states, so the file is first walked by our
+    bounded scan (core/gguf_metadata.py): a count, string or tensor that the file cannot hold is
+    refused before the reader sees it. The file is opened once, as a regular file without
+    blocking (a FIFO or device is refused), and the reader maps that very file.
+    Raises CeleryTPError(load_failed) naming the file for anything that is not a readable GGUF.
+    """
+    try:
+        file = open_regular(path)
+    except OSError as exc:
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{path}: cannot read: {exc}") from exc
+    with file:
+        try:
+            if os.fstat(file.fileno()).st_size == 0:
+                raise ValueError("the file is empty")
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                check_gguf_layout(data, gguf.GGML_QUANT_SIZES, path)
+            return _reader_class()(file)  # np.memmap maps the open file (its own duplicate descriptor)
+        except CeleryTPError:
+            raise
+        except Exception as exc:  # the reader raises ValueError/KeyError/struct errors on junk
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{path}: not a readable GGUF file: {exc}") from exc
 
 
 class GGUFCheckpoint(Checkpoint):
     """A .gguf file, with its metadata translated to Hugging Face config keys."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            reader = open_gguf_reader(path)
-        except Exception as exc:  # the reader raises ValueError/struct errors on junk
-            # It has the GGUF magic (open_checkpoint checked), so it is a damaged file.
-            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{path}: not a readable GGUF file: {exc}") from exc
+        reader = open_gguf_reader(path)  # CeleryTPError(load_failed) for a damaged file
         self._reader = reader
         self._tensors = {t.name: t for t in reader.tensors}
         self.path = path  # _hf_config's messages name it

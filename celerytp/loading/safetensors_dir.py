@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.model_files import read_json_object
+from celerytp.core.model_files import check_model_directory, open_regular, read_json_object
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
 
 SINGLE_FILE = "model.safetensors"
@@ -33,6 +34,7 @@ class SafetensorsCheckpoint(Checkpoint):
     """A directory with config.json and model.safetensors or a sharded index."""
 
     def __init__(self, directory: Path) -> None:
+        check_model_directory(directory)  # no FIFO, socket or device: nothing blocks an open
         super().__init__(directory, read_json_object(directory / "config.json", required=True))
         self._weight_map = _weight_map(directory)
         self._handles: dict[str, Any] = {}
@@ -43,10 +45,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def source(self, name: str) -> TensorSource:
         file = self._weight_map[name]
         if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(self.path / file), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types
-                raise CeleryTPError(ErrorKind.LOAD_FAILED, f"cannot open {self.path / file}: {exc}") from exc
+            self._handles[file] = _safe_open(self.path / file, file)
         return SafetensorsSource(name, self._handles[file], self.reads)
 
     def close(self) -> None:
@@ -74,8 +73,21 @@ def _weight_map(directory: Path) -> dict[str, str]:
     single = directory / SINGLE_FILE
     if not single.is_file():
         raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with _safe_open(single, SINGLE_FILE) as handle:
+        return {name: SINGLE_FILE for name in handle.keys()}
+
+
+def _safe_open(path: Path, name: str) -> Any:
+    """safetensors' handle on `path`, a regular file: opened first by us without blocking and
+    checked (a FIFO, socket or device is refused, typed), then handed over as that very file
+    (/proc/self/fd, where there is one) so no swap can slip in between check and open."""
     try:
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: SINGLE_FILE for name in handle.keys()}
-    except Exception as exc:
-        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"cannot open {single}: {exc}") from exc
+        file = open_regular(path, name)
+    except OSError as exc:
+        raise CeleryTPError(ErrorKind.LOAD_FAILED, f"cannot open {path}: {exc}") from exc
+    with file:
+        same_file = f"/proc/self/fd/{file.fileno()}"
+        try:
+            return safe_open(same_file if os.path.exists(same_file) else str(path), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"cannot open {path}: {exc}") from exc
