@@ -270,7 +270,7 @@ def _serve(args: argparse.Namespace) -> int:
         broker=args.broker, group=args.group, api_keys=api_keys, admin_key=admin_key,
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
         frontend=not args.no_frontend, request_timeout=args.request_timeout,
-        device=embedded_device_for(args),
+        device=embedded_device_for(args), payload_limit=args.payload_limit,
     )
     if not args.broker:  # its own ranks start here
         checked_switches()
@@ -411,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     serve.add_argument("--max-context", type=positive_int, default=None, help="tokens per request (default: what fits)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
+    serve.add_argument("--payload-limit", type=positive_int, default=4 << 20, metavar="BYTES",
+                       help="the largest request body; a larger one gets 413 before it is parsed (default 4 MiB)")
     serve.add_argument("--no-frontend", action="store_true", help="do not consume celerytp.generate Celery tasks")
     serve.add_argument("--connection-file", default=os.environ.get("CELERYTP_CONNECTION_FILE"), metavar="PATH",
                        help="the embedded cluster writes how to reach its Redis here (mode 0600: CELERYTP_BROKER, "

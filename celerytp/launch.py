@@ -100,7 +100,7 @@ def serve(config: ServeConfig) -> int:
         with contextlib.ExitStack() as stack:
             if config.frontend:
                 stack.enter_context(frontend_process(leader))
-            app = create_app(Service(leader, Metrics()), config.api_keys, config.admin_key)
+            app = create_app(Service(leader, Metrics()), config.api_keys, config.admin_key, config.payload_limit)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                    timeout_graceful_shutdown=5))
             say(banner(config, leader))

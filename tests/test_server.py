@@ -118,6 +118,39 @@ def test_errors_in_openai_shape(client, server):
     assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body"
 
 
+
+def test_hostile_requests_get_a_quick_4xx_while_others_are_served(client, server):
+    """Issue 41 on the real server: each was slow (a 100 KB model name: 20 s, with /health waiting;
+    a 10 MB prompt: 6.8 s and +0.9 GB of tokens) or a 500 (a lone surrogate); now each is a 4xx in
+    well under a second, and a normal request is served beside them."""
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def sent(path: str, body: dict | bytes) -> tuple[httpx.Response, float]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        started = time.monotonic()
+        response = httpx.post(f"{server}{path}", content=content, headers=auth, timeout=30)
+        return response, time.monotonic() - started
+
+    cases = [
+        ("/v1/chat/completions", {"model": "a" * 100_000, "messages": CHAT}, 404, None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "b" * 100_000: 1}, 400, "b" * 64 + "…"),
+        ("/v1/completions", b'{"model": "smol", "prompt": "hi \\ud800"}', 400, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3_000_000}]}, 400,
+         "messages"),
+        ("/v1/completions", b"{" * (4 << 20 | 1), 413, None),
+    ]
+    with ThreadPoolExecutor(1) as pool:
+        normal = pool.submit(client.chat.completions.create, model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+        for path, body, status, param in cases:
+            response, took = sent(path, body)
+            assert response.status_code == status and response.json()["error"]["param"] == param, response.text[:300]
+            assert took < 2, (path, status, took)
+            assert len(response.json()["error"]["message"]) < 400
+        assert normal.result(timeout=60).choices[0].message.content
+    started = time.monotonic()
+    assert httpx.get(f"{server}/health").status_code == 200 and time.monotonic() - started < 1
+
+
 CANCELLED = f"celerytp_finished_requests_total[('model', '{MODEL}'), ('reason', 'cancelled')]"
 
 

@@ -92,6 +92,46 @@ class Prepared:
     started: float
 
 
+# A prompt longer than max_context * this many characters cannot fit the model's context: it is
+# refused before it is tokenized (tokenizing 10 MB took 7 s and 0.9 GB). Generous: a token is a
+# few characters of text on average, and only a long run of one repeated character comes near.
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+def _texts(value: Any) -> Iterator[str]:
+    """The strings in a prompt, a chat's messages or its tools (nested lists and dicts), without recursion."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+
+
+def check_prompt_text(prompt: Any, messages: Any, tools: Any, max_context: int) -> None:
+    """What can be refused before tokenizing, in time linear in the text: text that the context
+    could not hold (more than max_context * PROMPT_CHARS_PER_TOKEN characters in all), and text
+    that is not Unicode a tokenizer can read (a lone surrogate, such as JSON's "\\ud800").
+    A 400 naming `prompt`, `messages` or `tools`."""
+    limit = max_context * PROMPT_CHARS_PER_TOKEN
+    size = 0
+    for name, value in (("prompt", prompt), ("messages", messages), ("tools", tools)):
+        for text in _texts(value):
+            size += len(text)
+            if size > limit:
+                raise bad_request(name, f"longer than the model's context of {max_context} tokens can hold "
+                                        f"(more than {limit} characters of text in all); shorten it")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad_request(name, f"not valid Unicode text: a lone surrogate ({exc.object[exc.start]!a}) at "
+                                        f"character {exc.start} of one of its strings") from None
+
+
 def prompt_ids(tokenizer: Tokenizer, prompt: str | None, messages: list[dict] | None,
                tools: list[dict] | None = None) -> list[int]:
     if (prompt is None) == (messages is None):
@@ -137,6 +177,7 @@ def prepare(
     asks for the prompt tokens' log-probabilities too.
     """
     started = time.perf_counter()
+    check_prompt_text(prompt, messages, tools, record["max_context"])  # before any tokenizing
     tokenizer = load_tokenizer(record["path"])
     ids = prompt_ids(tokenizer, prompt, messages, tools)
     given = {

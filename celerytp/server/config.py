@@ -112,6 +112,7 @@ class ServeConfig:
     quant, max_batch, max_context: load settings.
     frontend: also consume `celerytp.generate` tasks (the Celery front door).
     request_timeout: seconds a request may take before it is cancelled and answered 504.
+    payload_limit: the largest request body in bytes; a larger one is answered 413 before it is parsed.
     device: the embedded cluster's worker --device (embedded_devices.py `embedded_device`).
     """
 
@@ -130,11 +131,13 @@ class ServeConfig:
     frontend: bool = True
     request_timeout: float = 600.0
     device: str = "cpu"
+    payload_limit: int = 4 << 20  # server/http.py DEFAULT_PAYLOAD_LIMIT
 
     def __post_init__(self) -> None:
         positive("--tp", self.tp)
         positive("--max-batch", self.max_batch)
         positive("--max-context", self.max_context)
+        positive("--payload-limit", self.payload_limit)
         if not self.request_timeout > 0:
             raise bad(f"--request-timeout must be > 0, got {self.request_timeout}")
         if not self.model_id:

@@ -7,7 +7,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.secrets import mask_secrets
+from celerytp.core.secrets import clipped, mask_secrets
 from celerytp.server.service import error_code
 
 # Kinds the client can act on get their own status; everything else is the server's fault (500).
@@ -33,6 +33,14 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable", 504: "timeout"}
 _FIELD = re.compile(r"field '([^']+)'")
+# An error message shows at most this many characters: values a caller sent are clipped where a
+# message quotes them (core/secrets.py `clipped`); this bounds the rest (and the work on it).
+MAX_MESSAGE = 2000
+MAX_PARAM = 128
+# Python's names for what went wrong inside, in messages that reach a caller: replaced by plain words.
+_RECURSION = re.compile(r"RecursionError(?::[^;\n]*)?")
+_OS_ERROR = re.compile(r"(?:OSError|IOError|FileNotFoundError|PermissionError|IsADirectoryError|NotADirectoryError)"
+                       r"(?::\s*|\(\s*)?(?:\[Errno \d+\]\s*)?")
 
 
 class HTTPProblem(Exception):
@@ -43,21 +51,41 @@ class HTTPProblem(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
+def shown(message: str) -> str:
+    """A message as a caller sees it: URL passwords masked, Python's exception names in plain words,
+    at most MAX_MESSAGE characters, encodable as UTF-8 (a lone surrogate it quotes is escaped).
+    Masked before it is cut, so a cut never leaves part of a password unmasked; only its first
+    8 * MAX_MESSAGE characters are read at all (the work stays bounded whatever a caller sent)."""
+    text = mask_secrets(message[:8 * MAX_MESSAGE])
+    text = _OS_ERROR.sub("", _RECURSION.sub("nested too deeply", text))
+    return clipped(text, MAX_MESSAGE)
+
+
 def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict:
-    return {"error": {"message": mask_secrets(message), "type": TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    return {"error": {"message": shown(message), "type": TYPES.get(status, "server_error"),
+                      "param": None if param is None else clipped(param, MAX_PARAM), "code": code}}
 
 
-def from_celerytp(exc: CeleryTPError) -> tuple[int, dict]:
-    """Status and body of a celerytp error; a bad field is named in `param`."""
+def as_sent(exc: CeleryTPError, grammar_field: str | None) -> CeleryTPError:
+    """`exc` naming the request field a caller wrote where it names the wire's `grammar` (made from
+    `response_format` or `tools`, server/tools.py)."""
+    if grammar_field and "field 'grammar'" in exc.message:
+        return CeleryTPError(exc.kind, exc.message.replace("field 'grammar'", f"field '{grammar_field}'"), op=exc.op)
+    return exc
+
+
+def from_celerytp(exc: CeleryTPError, grammar_field: str | None = None) -> tuple[int, dict]:
+    """Status and body of a celerytp error; a bad field is named in `param` (`grammar` as the
+    field of the request it came from, `grammar_field`)."""
+    exc = as_sent(exc, grammar_field)
     status = STATUS.get(exc.kind, 500)
-    field = _FIELD.search(exc.message)
+    field = _FIELD.search(exc.message, 0, 8 * MAX_MESSAGE)
     code = error_code(exc.kind)  # the same kind the Celery front door names
     return status, error_body(status, exc.message, code, field.group(1) if field else None)
 
 
-def celerytp_response(exc: CeleryTPError) -> JSONResponse:
-    status, body = from_celerytp(exc)
+def celerytp_response(exc: CeleryTPError, grammar_field: str | None = None) -> JSONResponse:
+    status, body = from_celerytp(exc, grammar_field)
     headers = {"Retry-After": "1"} if status == 429 else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -83,7 +111,7 @@ def http_error_response(status: int, detail: object, headers: dict | None = None
 def validation_response(errors: list[dict]) -> JSONResponse:
     """FastAPI's RequestValidationError (path or query parameters) as one 400 naming the first field."""
     first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    location = [clipped(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
     param = ".".join(location) or None
     message = f"field '{param}': {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
     return JSONResponse(error_body(400, message, str(ErrorKind.BAD_REQUEST), param), status_code=400)

@@ -35,7 +35,7 @@ from kombu import Queue
 from celerytp.client.leader import Leader
 from celerytp.core.app import make_app
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.secrets import mask_secrets
+from celerytp.core.secrets import clipped, mask_secrets
 from celerytp.server import tools
 from celerytp.server.schemas import TaskRequest, parse
 from celerytp.server.service import Service, error_code
@@ -73,7 +73,7 @@ def check_call(args: tuple, kwargs: dict[str, Any]) -> TaskRequest:
     unknown = sorted(str(name) for name in kwargs if name not in allowed)
     if unknown:
         raise CeleryTPError(
-            ErrorKind.BAD_REQUEST, f"field '{unknown[0]}': not a celerytp.generate argument; it takes {sorted(allowed)}"
+            ErrorKind.BAD_REQUEST, f"field '{clipped(unknown[0])}': not a celerytp.generate argument; it takes {sorted(allowed)}"
         )
     if kwargs.get("n", 1) != 1:  # one stream, one completion, whatever the HTTP API allows
         raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'n': celerytp.generate makes one completion (send several tasks)")

@@ -28,10 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from celerytp.client.generation import GenerationResult, Piece, TokenStream
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.secrets import clipped
 from celerytp.server import tools
 from celerytp.server.errors import (
     HTTPProblem,
     celerytp_response,
+    error_body,
     from_celerytp,
     http_error_response,
     internal_response,
@@ -45,13 +47,18 @@ from celerytp.server.service import Service
 DISCONNECT_POLL_S = 0.1
 ABANDONED_END_S = 10.0  # how long an abandoned stream's cancelled end is awaited, to count it
 SEEDS = 1 << 63  # a seed is in 0..2**63-1 (core/sampling.py): choice i's seed wraps around
+# The largest request body read (`celerytp serve --payload-limit`, bytes; TGI's option of the same
+# name defaults to 2 MB): a larger one is answered 413 before it is read whole or parsed.
+DEFAULT_PAYLOAD_LIMIT = 4 << 20
 _END = object()
 
 
-def create_app(service: Service, api_keys: str | Sequence[str] | None = None, admin_key: str | None = None) -> FastAPI:
+def create_app(service: Service, api_keys: str | Sequence[str] | None = None, admin_key: str | None = None,
+               payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
     """The API over `service`. With `api_keys` (one key or several), every endpoint but /health and
     /metrics wants `Authorization: Bearer <one of them>`; the /admin endpoints want `admin_key`
-    (never an inference key) and do not exist without one. /health details need `admin_key` too."""
+    (never an inference key) and do not exist without one. /health details need `admin_key` too.
+    A request body over `payload_limit` bytes is answered 413 before it is parsed."""
     app = FastAPI(title="celerytp", docs_url=None, redoc_url=None)
     metrics = service.metrics
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
@@ -95,7 +102,7 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
 
     @app.exception_handler(CeleryTPError)
     async def _celerytp_error(request: Request, exc: CeleryTPError) -> JSONResponse:
-        return celerytp_response(exc)
+        return celerytp_response(exc, getattr(request.state, "grammar_field", None))
 
     @app.exception_handler(HTTPProblem)
     async def _problem(request: Request, exc: HTTPProblem) -> JSONResponse:
@@ -126,7 +133,8 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
     async def get_model(model_id: str) -> dict:
         models = await run_in_threadpool(service.models)
         if model_id not in models:
-            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {model_id!r} is not loaded; loaded: {sorted(models)}")
+            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED,
+                                f"model {clipped(model_id)!r} is not loaded; loaded: {sorted(models)}")
         return model_card(model_id, models[model_id], bool(inference))
 
     @app.post("/v1/completions", dependencies=auth)
@@ -165,6 +173,9 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         mode = await run_in_threadpool(tools.apply, service, model_id, body, options)  # structured output
         shape = (StreamedCalls if body.stream and mode else Shape)(chat, model_id, request_id, top_logprobs(body), decode)
         shape.tools = mode
+        if "grammar" in options:  # an error about it names the field the caller wrote
+            shape.grammar_field = "tools" if mode is not None and mode.forced is not None else "response_format"
+            request.state.grammar_field = shape.grammar_field
         shape.echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
         rows = choice_options(options, body.n)
         if body.stream:
@@ -174,6 +185,7 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         results = await generate_choices(request, service, model_id, rows)
         return JSONResponse(shape.complete(*results))
 
+    app.add_middleware(BodyLimit, limit=payload_limit)
     app.add_middleware(RequestContext)  # added last: outermost, so it sees (and shapes) every response
     return app
 
@@ -248,6 +260,50 @@ class RequestContext:
                         status[0] or 500, (time.perf_counter() - started) * 1000, request_id)
 
 
+class BodyLimit:
+    """Reads a request's body before anything parses it, at most `limit` bytes: a larger one (by
+    its Content-Length, or as it arrives) is answered 413 in OpenAI's shape, unread beyond the
+    limit. The body read is handed on in one piece; later reads (a disconnect) go to the client."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                return await self.refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), [False]
+
+        async def replay() -> dict:
+            if not handed[0]:
+                handed[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        message = (f"request body larger than {self.limit} bytes (the server's limit, celerytp serve "
+                   "--payload-limit)")
+        response = JSONResponse(error_body(413, message, "request_too_large"), status_code=413,
+                                headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
 def printable(path: str) -> str:
     """A path as one log line shows it: control characters escaped, at most 200 characters."""
     return json.dumps(path[:200])[1:-1]
@@ -267,7 +323,7 @@ def load_fields(body: Any) -> tuple[str, str | None, dict[str, Any]]:
         raise bad("body", "a JSON object is required")
     unknown = sorted(set(body) - {"model", "path", *ADMIN_INTS, *ADMIN_STRINGS})
     if unknown:
-        raise bad(unknown[0], f"unknown field; accepted: model, path, {', '.join([*ADMIN_INTS, *ADMIN_STRINGS])}")
+        raise bad(clipped(unknown[0]), f"unknown field; accepted: model, path, {', '.join([*ADMIN_INTS, *ADMIN_STRINGS])}")
     model_id, path = body.get("model"), body.get("path")
     if not isinstance(model_id, str) or not model_id.strip():
         raise bad("model", "a non-empty string is required")
@@ -278,6 +334,8 @@ def load_fields(body: Any) -> tuple[str, str | None, dict[str, Any]]:
             raise bad("path", f"a non-empty string is required, got {type(path).__name__}")
         if "\x00" in path or len(path) > 4096:
             raise bad("path", "no NUL bytes, at most 4096 characters")
+        if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in path.split("/")):
+            raise bad("path", "a file or directory name is at most 255 bytes")
     options: dict[str, Any] = {}
     for name, limit in ADMIN_INTS.items():
         value = body.get(name)
@@ -451,7 +509,7 @@ async def sse(service: Service, request: Request, streams: list[TokenStream], sh
         yield "data: [DONE]\n\n"
     except CeleryTPError as exc:
         await run_in_threadpool(service.count_error, shape.model_id, exc)
-        yield event(from_celerytp(exc)[1])
+        yield event(from_celerytp(exc, shape.grammar_field)[1])
         yield "data: [DONE]\n\n"
     finally:
         if running:  # the client went away, a choice failed or the server is stopping: free the rows
@@ -511,6 +569,7 @@ class Shape:
         self.created = int(time.time())
         self.tools: tools.ToolMode | None = None  # a chat with tools: its answer may be tool calls
         self.echo = ""  # a completion with `echo`: its prompt, which each choice's text starts with
+        self.grammar_field: str | None = None  # the request field its grammar came from (errors name it)
         self._offsets: dict[int, int] = {}  # a streamed completion's text_offset so far, per choice
 
     def _head(self, obj: str) -> dict:

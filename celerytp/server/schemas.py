@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.sampling import logit_bias_entries
+from celerytp.core.secrets import clipped
 
 Request = TypeVar("Request", bound="SamplingFields")
 
@@ -279,7 +280,7 @@ def parse(model: type[Request], body: Any) -> Request:
         return model.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        field = ".".join(str(part) for part in error["loc"]) or "body"
+        field = ".".join(clipped(part) for part in error["loc"]) or "body"  # a field name a caller made up, too
         message = error["msg"].removeprefix("Value error, ")
         if error["loc"][:1] == ("stop",):
             field, message = "stop", "a string or a list of at most 4 strings is required"

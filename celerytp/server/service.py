@@ -12,6 +12,7 @@ from celerytp.client.registry import replicas
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.liveness import read_owners
 from celerytp.core.redis_client import broker_errors
+from celerytp.core.secrets import clipped
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.server.metrics import Metrics, record_error, record_served, watch_cluster
 
@@ -76,7 +77,8 @@ class Service:
                 raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'model': required; loaded: {sorted(models)}")
             return next(iter(models))
         if name not in models:
-            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED, f"model {name!r} is not loaded; loaded: {sorted(models)}")
+            raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED,
+                                f"model {clipped(name)!r} is not loaded; loaded: {sorted(models)}")
         return name
 
     def decoder(self, model_id: str) -> Callable[[list[int]], str]:

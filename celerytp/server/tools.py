@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celerytp.core.grammar import check_grammar, strict_schema
+from celerytp.core.secrets import clipped
 from celerytp.core.validation import bad_request
 
 TOOL_PROMPT = (
@@ -321,7 +322,7 @@ def structure(body: Any, options: dict[str, Any], chat_template: str | None) -> 
     if not isinstance(choice, str) and choice is not None:
         choice = choice.function.name
         if choice not in names:
-            raise bad_request("tool_choice", f"names a function not in tools: {choice!r}; tools: {names}")
+            raise bad_request("tool_choice", f"names a function not in tools: {clipped(choice)!r}; tools: {names}")
     elif choice in ("required",) and not tools:
         raise bad_request("tool_choice", "'required' needs tools")
     if choice == "none" or not tools:
