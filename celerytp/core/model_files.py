@@ -85,13 +85,11 @@ def check_model_directory(directory: str | os.PathLike[str]) -> None:
 def is_gguf_file(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a regular file starting with the GGUF magic (False for a directory or a
     missing file; a FIFO, socket or device raises CeleryTPError, unopened)."""
+    if os.path.isdir(path):
+        return False
     try:
         with open_regular(path) as f:
             return f.read(4) == _GGUF_MAGIC
-    except CeleryTPError:
-        if os.path.isdir(path):
-            return False
-        raise
     except OSError:
         return False
 
