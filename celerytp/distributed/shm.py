@@ -127,7 +127,7 @@ class ShmGroup:
         ]
         self._peers = [p for p in range(world_size) if p != rank]
         self._step = 0
-        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}  # see `_slots_like`
+        self._views: dict[tuple[int, int, torch.dtype, bool], list[torch.Tensor]] = {}  # see `_slots_like`
 
     # ---- setup and teardown -------------------------------------------------------------
 
@@ -228,15 +228,15 @@ class ShmGroup:
         """Every rank's slot of set `s` as a flat tensor of `like`'s dtype and size. Kept per
         (set, bytes, dtype): slicing and viewing them anew cost a decode all-reduce ~8 of its
         ~25 µs. Decode reuses a handful of sizes; the bound only stops odd prefill sizes piling up."""
-        key = (s, like.nbytes, like.dtype)
+        # Kept apart in and out of inference mode: a view made under it (a forward's, or a compiled
+        # decode's warm-up at load) is an inference tensor, which cannot be written outside it (the
+        # serving loop's whole-logits gather), and a normal one costs a forward more to write.
+        key = (s, like.nbytes, like.dtype, torch.is_inference_mode_enabled())
         slots = self._views.get(key)
         if slots is None:
             if len(self._views) >= _MAX_VIEWS:
                 self._views.clear()
-            # Never inference tensors: views made under inference mode (a compiled decode's warm-up at
-            # load) could not be written outside it, where the serving loop gathers whole logits.
-            with torch.inference_mode(False):
-                slots = self._views[key] = [slot[: like.nbytes].view(like.dtype) for slot in self._slots[s]]
+            slots = self._views[key] = [slot[: like.nbytes].view(like.dtype) for slot in self._slots[s]]
         return slots
 
     def _barrier(self) -> None:
