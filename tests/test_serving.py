@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from bare_loop import serve_bare
 
 from celerytp import Leader
 from celerytp.cluster import LocalCluster
@@ -196,71 +197,6 @@ def test_no_request_is_stranded_around_the_idle_window(tp2):
     assert json.loads(json.dumps(tp2.serving_stats("smol")))["queued"] == 0
 
 
-BARE_LOOP_RANK = """
-import json, sys
-import torch
-import torch.distributed as dist
-from celerytp.core.protocol import GenSpec
-from celerytp.distributed.control import ControlGroup
-from celerytp.distributed.tp import TPContext
-from celerytp.models import load_model
-from celerytp.worker.serving import ListSource, ServingLoop
-
-
-class Scripted(ListSource):
-    # cancels the listed requests at the loop's second step, their prompts part-way in, and
-    # queues a request marked "after": n at the loop's n-th step
-    def __init__(self, specs, cancel):
-        super().__init__([GenSpec(**s) for s in specs if "after" not in s])
-        self.later = [(s.pop("after"), GenSpec(**s)) for s in specs if "after" in s]
-        self.cancel, self.calls = set(cancel), 0
-
-    def publish(self, events, running, stats):
-        super().publish(events, running, stats)
-        self.calls += 1
-        self.queue += [spec for after, spec in self.later if after == self.calls]
-        return self.cancel & set(running) if self.calls == 2 else set()
-
-    def try_exit(self):
-        return not self.queue and all(after <= self.calls for after, _ in self.later)
-
-
-rank, world, init, path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
-model = load_model(path, TPContext(rank, world), max_batch=8)
-control = ControlGroup.on_default_group(rank, world)
-runs = []
-for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over cold rows
-    model.clear_cache()
-    source = Scripted(specs, cancel) if rank == 0 else None
-    stats = ServingLoop(model, control, {}, 8, 0.0, source).run()
-    if rank == 0:
-        rows = {rid: {"error": [str(f.error.kind), f.error.message]} if f.error is not None else
-                {"tokens": f.result.token_ids, "logprobs": f.result.logprobs, "finish": f.result.finish_reason,
-                 "reused": f.result.reused_tokens, "prompt_logprobs": f.result.prompt_logprobs}
-                for rid, f in source.results.items()}
-        runs.append({"stats": stats, "rows": rows})
-if rank == 0:
-    json.dump(runs, open(out, "w"))
-dist.barrier()
-dist.destroy_process_group()  # gloo left to the interpreter's exit can abort the process
-"""
-
-
-def _serve_bare(tmp_path, path, world: int, runs: list, prelude: str = "") -> list[dict]:
-    """Each run ([GenSpec fields, ...], [request ids to cancel]) through a bare serving loop on
-    `world` ranks (prefill budget 8, cold rows): its stats and each request's result (or error).
-    `prelude`: code each rank runs first."""
-    init, out = tmp_path / f"init{world}", tmp_path / f"out{world}.json"
-    ranks = [subprocess.Popen([sys.executable, "-c", prelude + BARE_LOOP_RANK, str(r), str(world), str(init), str(path),
-                               str(out), json.dumps(runs)], stderr=subprocess.PIPE, text=True) for r in range(world)]
-    for r, rank in enumerate(ranks):
-        _, err = rank.communicate(timeout=240)
-        assert rank.returncode == 0, (r, err[-3000:])
-    return json.loads(out.read_text())
-
-
 def _tiny_llama(path):
     """A random llama whose 161-token vocabulary splits unevenly over 2 ranks, saved at `path`."""
     import torch
@@ -287,7 +223,7 @@ def test_prompt_logprobs_match_transformers(tmp_path, world):
     asks = [[make_prompt(161, 20, seed=1), 3], [make_prompt(161, 6, seed=2), 0]]
     specs = [dict(request_id=f"r{i}", prompt=prompt, max_tokens=1, prompt_logprobs=n) for i, (prompt, n) in enumerate(asks)]
     specs.append(dict(request_id="plain", prompt=asks[0][0][:5], max_tokens=1))  # beside them, batched
-    (run,) = _serve_bare(tmp_path, tmp_path / "tiny", world, [[specs, []]])
+    (run,) = serve_bare(tmp_path, tmp_path / "tiny", world, [[specs, []]])
     served = {rid: row["prompt_logprobs"] for rid, row in run["rows"].items()}
     assert served["plain"] is None
     for i, (prompt, n) in enumerate(asks):
@@ -330,7 +266,7 @@ def test_equal_prompts_are_prefilled_once_and_each_row_samples_as_if_alone(tmp_p
     late = dict(greedy[1], request_id="late", after=3)  # while g0 decodes: it copies the prompt's first 10 tokens
     runs = [[choices + greedy, []], *([[spec], []] for spec in choices + greedy[:1]), [choices[:2], ["c0"]],
             [[greedy[0], late], []]]
-    together, *alone, cancelled, later = _serve_bare(tmp_path, tmp_path / "model", 2, runs)
+    together, *alone, cancelled, later = serve_bare(tmp_path, tmp_path / "model", 2, runs)
     alone = {rid: row for run in alone for rid, row in run["rows"].items()}
 
     assert together["stats"]["shared_prompt_tokens"] == 2 * len(prompt) + len(other)
@@ -386,7 +322,7 @@ def test_a_request_whose_own_processing_fails_ends_alone_and_the_loop_goes_on(tm
     bad = [dict(request_id="bad_pick", prompt=make_prompt(161, 5, seed=8), max_tokens=6,
                 sampling=dict(temperature=0, logit_bias={"7": 1.0})),
            dict(request_id="bad_take", prompt=make_prompt(161, 4, seed=9), max_tokens=5, sampling=dict(temperature=0))]
-    together, alone = _serve_bare(tmp_path, tmp_path / "tiny", 2, [[good + bad, []], [good, []]], prelude=FAILING_ROWS)
+    together, alone = serve_bare(tmp_path, tmp_path / "tiny", 2, [[good + bad, []], [good, []]], prelude=FAILING_ROWS)
     for rid in ("bad_pick", "bad_take"):
         kind, message = together["rows"][rid]["error"]
         assert kind == "internal" and rid in message and "injected" in message, (rid, kind, message)

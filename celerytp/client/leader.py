@@ -167,6 +167,7 @@ class Leader:
         record = model_record(
             fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,
             max_context=first.max_context, max_batch=first.max_batch, decode=first.decode,
+            batch_invariant=all(reply.batch_invariant for reply in replies),
         )
         self._keep_record(model_id, record, read_owners(self.redis, self.group, self.world_size))
         return replies

@@ -179,6 +179,8 @@ class Loaded(Reply):
     quant_types: dict[str, dict[str, int]] = Field(default_factory=dict)  # this rank: type -> {"tensors", "bytes"}
     quant_fallbacks: list[str] = Field(default_factory=list)  # "<tensor>: q4_k -> q5_0 (why)" on this rank
     decode: Literal["compiled", "eager"] = "eager"  # how decode steps run (CELERYTP_COMPILE, models/compiled.py)
+    # a request's tokens do not depend on what is batched beside it (CELERYTP_BATCH_INVARIANT, docs/models.md)
+    batch_invariant: bool = False
     vocab_size: int
     max_context: int
     max_batch: int

@@ -16,11 +16,12 @@ LOAD_FIELDS = (
 
 def model_record(
     load: dict[str, Any], *, dtype: str, model_type: str, vocab_size: int, max_context: int, max_batch: int,
-    decode: str = "eager",
+    decode: str = "eager", batch_invariant: bool = False,
 ) -> dict[str, Any]:
     """`load`: the load request's fields (LOAD_FIELDS); the rest: what the load produced."""
     return {
         "path": load["path"], "dtype": dtype, "model_type": model_type, "vocab_size": vocab_size,
         "max_context": max_context, "max_batch": max_batch, "max_queue": load["max_queue"], "decode": decode,
+        "batch_invariant": batch_invariant,
         "load": {k: load[k] for k in LOAD_FIELDS if k in load},
     }

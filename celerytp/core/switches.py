@@ -6,6 +6,7 @@ that needs another value sets it itself and says why.
 | variable | values (default first) | what it switches |
 |---|---|---|
 | CELERYTP_COMPILE | auto, 1, 0 | compiled decode (models/compiled.py) |
+| CELERYTP_BATCH_INVARIANT | 1, 0 | attention in one fixed order per query (layers/invariant_attention.py) |
 | CELERYTP_PACK_LINEARS | auto, 1, 0 | float linears packed for oneDNN (layers/packed_linear.py) |
 | CELERYTP_QUANT_KERNEL | auto, dequant, int8pack | the kernel of ggml-format linears (layers/quantized.py) |
 | CELERYTP_SHM | 1, 0 | same-host collectives through shared memory (distributed/shm.py) |
@@ -19,12 +20,14 @@ from __future__ import annotations
 import os
 
 COMPILE_ENV = "CELERYTP_COMPILE"
+INVARIANT_ENV = "CELERYTP_BATCH_INVARIANT"
 PACK_ENV = "CELERYTP_PACK_LINEARS"
 KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 SHM_ENV = "CELERYTP_SHM"
 ALLOW_SLOW_HALF_ENV = "CELERYTP_ALLOW_SLOW_HALF"
 SWITCHES = {
     COMPILE_ENV: ("auto", "1", "0"),
+    INVARIANT_ENV: ("1", "0"),
     PACK_ENV: ("auto", "1", "0"),
     KERNEL_ENV: ("auto", "dequant", "int8pack"),
     SHM_ENV: ("1", "0"),

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.invariant_attention import attention, attention_kind
 from celerytp.layers.kv_cache import CacheSlots, KVCache
 from celerytp.layers.linear import ColumnParallelLinear, OutputShard, RowParallelLinear
 from celerytp.layers.partition import split_heads
@@ -101,6 +101,7 @@ class Attention(nn.Module):
             # Norms act on one head_dim vector, so they are identical on every rank.
             self.q_norm = spec.qk_norm(hd, spec.norm_eps, **common)
             self.k_norm = spec.qk_norm(hd, spec.norm_eps, **common)
+        self.attention_kind = attention_kind(device)  # batch-invariant kernel or SDPA
         self.kv_cache = KVCache(cache_rows, self.num_kv_heads, max_context, hd, dtype=kv_dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
@@ -118,9 +119,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         k, v = self.kv_cache.update(slots, k, v)  # (B, nkv, L, hd)
         mask = slots.mask if self.sliding_window is None else slots.window_mask(self.sliding_window)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # (B, nh, T, hd)
+        y = attention(q, k, v, mask, self.scaling, self.attention_kind)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if gate is not None:
             y = y * torch.sigmoid(gate.reshape(B, T, -1))

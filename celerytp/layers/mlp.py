@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.eager_ops import activation
 from celerytp.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from celerytp.layers.partition import split_intermediate
 from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import mlp_block
-
-# config.json's hidden_act -> the function applied to the gate.
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class SwiGLUMLP(nn.Module):
@@ -23,7 +18,7 @@ class SwiGLUMLP(nn.Module):
 
     Args:
         bias: gate/up/down carry biases (llama's `mlp_bias`).
-        activation: a key of ACTIVATIONS (silu: SwiGLU).
+        activation: a key of layers/eager_ops.py ACTIVATIONS (silu: SwiGLU).
         reduce_results: all-reduce in forward; False when the caller sums it with other
             partial outputs first (the MoE block's shared expert).
         quant: keep the weights quantized as this plan says.
@@ -46,7 +41,7 @@ class SwiGLUMLP(nn.Module):
         activation: str = "silu",
     ) -> None:
         super().__init__()
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
         block = block if block is not None else mlp_block(1, quant, intermediate_size, tp.world_size)
         local = split_intermediate(tp.rank, tp.world_size, intermediate_size, block)
         common = {"dtype": dtype, "device": device, "bias": bias, "quant": quant}
@@ -59,4 +54,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., I_local) each
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(activation(self.activation, gate) * up)

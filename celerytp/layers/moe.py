@@ -16,6 +16,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.linear import ReplicatedLinear
 from celerytp.layers.mlp import SwiGLUMLP
+from celerytp.layers.packed_linear import float_linear
 from celerytp.layers.partition import split_intermediate
 from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.weights import check_shape, copy_into
@@ -96,10 +97,7 @@ class RoutedExperts(nn.Module):
         """
         N, top_k = experts.shape
         if N == 1:  # decode: top_k experts, one token each
-            out = torch.zeros_like(x)
-            for e, w in zip(experts[0].tolist(), weights[0], strict=True):
-                out += w * self._expert(e, x)
-            return out
+            return _combine([w.to(x.dtype) * self._expert(e, x) for e, w in zip(experts[0].tolist(), weights[0], strict=True)])
         flat = experts.reshape(-1)  # (N * top_k,)
         order = flat.argsort(stable=True)
         token = order // top_k  # token of each sorted assignment
@@ -112,14 +110,25 @@ class RoutedExperts(nn.Module):
                 ys[start : start + count] = self._expert(e, xs[start : start + count])
                 start += count
         ys *= weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        by_token = torch.empty_like(ys)
+        by_token[order] = ys
+        return _combine(list(by_token.view(N, top_k, -1).unbind(1)))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.q13 is not None:
             gate, up = self.q13[e](x).chunk(2, dim=-1)
             return self.q2[e](F.silu(gate) * up)
-        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)  # (n, I_local) each
-        return F.linear(F.silu(gate) * up, self.w2[e])  # (n, H) partial
+        gate, up = float_linear(x, self.w13[e], None).chunk(2, dim=-1)  # (n, I_local) each
+        return float_linear(F.silu(gate) * up, self.w2[e], None)  # (n, H) partial
+
+
+def _combine(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A token's weighted expert outputs summed in its top-k order, one way for one token or many
+    (batch invariance: docs/models.md)."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out
 
 
 class SparseMoeBlock(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from celerytp.layers.eager_ops import mean_square
 from celerytp.layers.weights import replicated_loader
 
 
@@ -25,5 +26,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics: bf16 mean squares lose too much precision over thousands of dims
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(mean_square(h) + self.eps)
         return self.weight * h.to(x.dtype)

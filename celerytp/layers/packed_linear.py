@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celerytp.core.switches import PACK_ENV, switch
+from celerytp.core.switches import INVARIANT_ENV, PACK_ENV, switch
 
 log = logging.getLogger(__name__)
 BATCH_HINT = 1  # the rows oneDNN's layout is chosen for: decode's (measured alike for 16)
@@ -43,10 +43,23 @@ PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 def float_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x W^T + b, through the packed weight when there is one. With batch invariance on
+    (CELERYTP_BATCH_INVARIANT, the default) a CPU takes oneDNN for every float weight, packed or
+    not: MKL's F.linear sums a row in an order that changes with the rows beside it (one, 2-15,
+    16 and more), oneDNN's in one order for any number of rows from two; a lone row is
+    computed as two (docs/models.md, "Batch invariance")."""
+    if packed is None and (torch.compiler.is_compiling() or not _invariant(weight)):
+        return F.linear(x, weight, bias)  # a compiled graph's own matmul (models/base.py `batch_invariant`)
+    w = weight if packed is None else packed
+    if x.numel() == x.shape[-1] and _invariant(weight):  # one row
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1).contiguous(), w, bias, "none", [], "")
+        return y[:1].reshape(*x.shape[:-1], y.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _invariant(weight: torch.Tensor) -> bool:
+    """Whether float linears of this weight's dtype and device run batch-invariant (oneDNN)."""
+    return switch(INVARIANT_ENV) == "1" and kernel_works(weight.dtype, str(weight.device))
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
@@ -84,7 +97,8 @@ def kernel_works(dtype: torch.dtype, device: str) -> bool:
     g = torch.Generator().manual_seed(0)
     w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((96, 128), (3, 128), (96,)))
     try:
-        y = float_linear(x, w, torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT), b).float()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "").float()
     except (RuntimeError, NotImplementedError) as exc:  # no oneDNN kernel for this dtype on this CPU
         log.info("packed float linears in %s unavailable here (%s); using F.linear", dtype, exc)
         return False

@@ -36,12 +36,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.switches import KERNEL_ENV, switch
+from celerytp.layers.packed_linear import float_linear
 from celerytp.loading.checkpoint import Range, TensorSource
 from celerytp.quant.blocks import QK, Unpacked, quantize_blocks, unpack_blocks
 from celerytp.quant.formats import GGML_TYPES, TILED_FORMATS, QuantFormat, QuantPlan
@@ -227,20 +227,20 @@ class _Part(nn.Module):
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel == "float":
-            return F.linear(x2, self.w.to(x2.dtype))
+            return float_linear(x2, self.w.to(x2.dtype), None)
         if self.kernel != "dequant":
             return run_kernel(self.kernel, self._buffers, x2, self.rows)
         step = max(1, TILE_ELEMENTS // self.in_features)
         if step >= self.rows:
-            return F.linear(
-                x2, dequantize_layout(self._buffers, self.offset, self.group, self.in_features).to(x2.dtype)
+            return float_linear(
+                x2, dequantize_layout(self._buffers, self.offset, self.group, self.in_features).to(x2.dtype), None
             )
         tiles = []
         for r in range(0, self.rows, step):
             w = dequantize_layout(
                 self._buffers, self.offset, self.group, self.in_features, (r, min(r + step, self.rows))
             )
-            tiles.append(F.linear(x2, w.to(x2.dtype)))
+            tiles.append(float_linear(x2, w.to(x2.dtype), None))
         return torch.cat(tiles, dim=-1)
 
 

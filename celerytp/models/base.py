@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.switches import INVARIANT_ENV, switch
 from celerytp.distributed.tp import TPContext
+from celerytp.layers import packed_linear
 from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket
 from celerytp.layers.moe import RoutedExperts
 from celerytp.loading.checkpoint import Checkpoint
@@ -85,6 +87,20 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.options.device
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's logits are the same bits whatever is batched beside it and whether its
+        tokens were prefilled or decoded (docs/models.md, "Batch invariance"): every attention
+        runs the invariant kernel, float linears run oneDNN (so none is in a compiled decode
+        graph, whose matmuls are the compiler's), and no recurrent state is prefilled by another
+        algorithm than it is decoded with."""
+        kinds = {m.attention_kind for m in self.modules() if hasattr(m, "attention_kind")}
+        compiled_floats = getattr(self.model, "decode_runs", None) and (
+            self.quant in (None, "f32", "f16", "bf16")
+            or any(getattr(m, "kernel", None) in ("float", "dequant") for m in self.modules()))
+        return (self.batched_prefill and kinds == {"invariant"} and switch(INVARIANT_ENV) == "1"
+                and packed_linear.kernel_works(self.options.dtype, str(self.device)) and not compiled_floats)
 
     @property
     def cache_len(self) -> int:

@@ -32,12 +32,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from celerytp.core.cache_dir import cache_dir
 from celerytp.core.switches import COMPILE_ENV, switch
 from celerytp.distributed.control import CollectiveFailed
 from celerytp.distributed.tp import collective_failure, forget_collective_failure
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from celerytp.models.base import CausalLM
 
 log = logging.getLogger(__name__)
-CACHE_ENV = "CELERYTP_CACHE_DIR"
 LAYERS_PER_GRAPH = 5  # 5 to 10 decode alike on the shipped model; 10 compiles twice as long
 WARM_UP_POSITION = 5  # where the warm-up's rows decode (any length but 0 and 1, which torch specializes)
 
@@ -60,13 +59,6 @@ def compile_requested(model: CausalLM) -> bool:
     if mode != "auto":
         return mode == "1"
     return model.device.type == "cuda" or model.quant not in (None, "f32", "f16", "bf16")  # block formats
-
-
-def cache_dir() -> Path:
-    """The worker's cache directory: CELERYTP_CACHE_DIR, else $XDG_CACHE_HOME/celerytp or ~/.cache/celerytp."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "celerytp"
 
 
 def use_persistent_cache() -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.layers.mlp import ACTIVATIONS
+from celerytp.layers.eager_ops import ACTIVATIONS
 from celerytp.layers.rotary import RopeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")

@@ -157,6 +157,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     record = model_record(
         request.model_dump(include=set(LOAD_FIELDS)), dtype=dtype_name, model_type=config.model_type,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch, decode=decode,
+        batch_invariant=model.batch_invariant,
     )
     state.models[request.model_id] = LoadedModel(
         model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer
@@ -167,6 +168,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
         quant=model.quant, quant_types=quant_types, quant_fallbacks=fallbacks, decode=decode,
+        batch_invariant=model.batch_invariant,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,
         prefill_budget=request.prefill_budget, idle_s=request.idle_s, num_layers=config.num_layers,
         sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],

@@ -64,10 +64,13 @@ class Sequence:
     params: SamplingParams
     row: int
     reused: int  # prompt tokens the row already held
-    fed: int  # prompt tokens in the cache so far
-    # A resumed request's tokens from its earlier attempt, fed back one decode step at a time
-    # as that attempt decoded them (a prefill would round differently and could change a
-    # later greedy token); rank 0 samples again once they are in.
+    fed: int  # tokens of `feed` in the cache so far
+    # What the cache must hold before the row samples: the prompt, and a resumed request's
+    # tokens from its earlier attempt where a prefill computes them as its decode steps did
+    # (a batch-invariant model: `_feed`).
+    feed: list[int] = field(default_factory=list)
+    # A resumed request's earlier tokens otherwise, fed back one decode step at a time as that
+    # attempt decoded them; rank 0 samples again once they are in.
     forced: list[int] = field(default_factory=list)
     sampled: int = 0  # tokens sampled in this attempt (every rank counts: seeds the slice draws)
     next_token: int = -1  # decoded next (after the prompt is in)
@@ -89,7 +92,7 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.spec.prompt)
+        return self.fed < len(self.feed)
 
 
 @dataclass
@@ -194,6 +197,7 @@ class ServingLoop:
         tokenizer: object | None = None,
     ):
         self.model = model
+        self.invariant = model.batch_invariant  # docs/models.md, "Batch invariance"
         self.control = control
         self.rows = model.max_batch
         self.row_tokens = row_tokens
@@ -315,9 +319,18 @@ class ServingLoop:
         prompt would be computed in another order than cold, and its logits, so its draws, would
         differ in their last bits (docs/serving.md, "Reproducible sampling"); none for a request
         asking for its prompt's log-probabilities either: every position's logits must be computed."""
-        if _seeded(spec) or spec.prompt_logprobs is not None:
+        if (_seeded(spec) and not self.invariant) or spec.prompt_logprobs is not None:
             return 0
-        return self.model.reusable_prefix(self.row_tokens.get(row, []), spec.prompt)
+        return self.model.reusable_prefix(self.row_tokens.get(row, []), self._feed(spec))
+
+    def _feed(self, spec: GenSpec) -> list[int]:
+        """The tokens a row prefills for `spec`: a resumed request's earlier tokens too, in one
+        pass, where the model computes a prefilled token as its decode step did (batch
+        invariance) and the request wants no log-probabilities (those come from decode steps)."""
+        params = spec.sampling or {}
+        if spec.resumed and self.invariant and not params.get("logprobs") and spec.prompt_logprobs is None:
+            return [*spec.prompt, *spec.resumed]
+        return spec.prompt
 
     def _check(self, spec: GenSpec) -> None:
         """What a rank must refuse before a request enters a row (the leader checked it too)."""
@@ -376,8 +389,10 @@ class ServingLoop:
                 self.stats["shared_prompt_tokens"] += reused
             else:
                 self.model.truncate(row, reused)
-            self.row_tokens[row] = list(spec.prompt[:reused])
-            seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, forced=list(spec.resumed))
+            feed = self._feed(spec)
+            self.row_tokens[row] = list(feed[:reused])
+            forced = [] if len(feed) > len(spec.prompt) else list(spec.resumed)
+            seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, feed, forced)
             seq.source = next((s for s in self.running.values() if _shares_prefill(s, seq)), None)
             if self.is_sampler:
                 self._for_row(seq, lambda seq=seq: self._start(seq))
@@ -450,27 +465,28 @@ class ServingLoop:
         budget = self.prefill_budget
         # A seeded row prefills alone, in whole chunks of the budget (`_reusable`): it goes first,
         # and no batch of new prompts takes the budget while one waits, so it is never starved.
-        seeded = [s for s in waiting if _seeded(s.spec)]
-        waiting = seeded + [s for s in waiting if not _seeded(s.spec)]
+        # (Batch-invariant models compute a row alike in any company: no such care needed.)
+        seeded = [] if self.invariant else [s for s in waiting if _seeded(s.spec)]
+        waiting = seeded + [s for s in waiting if s not in seeded]
         # a row that asks for its prompt's log-probabilities needs every position's logits
         fresh = [] if seeded else [s for s in waiting if s.fed == 0 and s.spec.prompt_logprobs is None]
-        if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.spec.prompt) for s in fresh) <= budget:
+        if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.feed) for s in fresh) <= budget:
             # Short new prompts: one padded forward reads the weights once for all of them.
-            logits = self.model.prefill_rows([s.spec.prompt for s in fresh], [s.row for s in fresh], gather=False)
+            logits = self.model.prefill_rows([s.feed for s in fresh], [s.row for s in fresh], gather=False)
             for seq, row_logits in zip(fresh, logits):
-                self._prefilled(seq, len(seq.spec.prompt))
+                self._prefilled(seq, len(seq.feed))
                 out.append((seq, row_logits))
-            budget -= sum(len(s.spec.prompt) for s in fresh)
+            budget -= sum(len(s.feed) for s in fresh)
             waiting = [s for s in waiting if s not in fresh]
         for seq in waiting:
             if budget <= 0:
                 break
             every = seq.spec.prompt_logprobs is not None
             chunk = min(self.prefill_budget, PROMPT_LOGPROBS_PIECE) if every else self.prefill_budget
-            end = min(len(seq.spec.prompt), seq.fed + budget, seq.fed + chunk)
-            if _seeded(seq.spec) and end < min(len(seq.spec.prompt), seq.fed + chunk):
+            end = min(len(seq.feed), seq.fed + budget, seq.fed + chunk)
+            if seeded and _seeded(seq.spec) and end < min(len(seq.feed), seq.fed + chunk):
                 continue  # another seeded row took part of the budget: a whole chunk in a later step
-            piece = torch.tensor(seq.spec.prompt[seq.fed : end], dtype=torch.long)
+            piece = torch.tensor(seq.feed[seq.fed : end], dtype=torch.long)
             logits = self.model.forward_tokens(piece, seq.fed, last_only=not every, row=seq.row, gather=False)
             if every:
                 self._prompt_scores(seq, logits, end)
@@ -503,7 +519,7 @@ class ServingLoop:
                                     for lp, row_ids, row_top in zip(logprobs, ids[:, :n].tolist(), tops, strict=True)]
 
     def _prefilled(self, seq: Sequence, end: int) -> None:
-        self.row_tokens[seq.row].extend(seq.spec.prompt[seq.fed : end])
+        self.row_tokens[seq.row].extend(seq.feed[seq.fed : end])
         seq.fed = end
 
     def _scores(self, seqs: list[Sequence], local: torch.Tensor | None) -> Scores | None:
@@ -664,7 +680,7 @@ def _shares_prefill(source: Sequence, seq: Sequence) -> bool:
     """Whether `seq` can take `source`'s prompt cache once it is in rather than compute it: the
     same prompt, still to come, and computed as `seq` would (a seeded row's is computed alone, so
     a copy is bit-exact); not for rows scoring every prompt position (their logits are needed)."""
-    return (source.source is None and source.prefilling and source.spec.prompt == seq.spec.prompt
+    return (source.source is None and source.prefilling and source.feed == seq.feed
             and _seeded(source.spec) == _seeded(seq.spec)
             and source.spec.prompt_logprobs is None and seq.spec.prompt_logprobs is None)
 

@@ -1,0 +1,104 @@
+"""Batch invariance (docs/models.md, "Batch invariance"), as it ships (CELERYTP_BATCH_INVARIANT on):
+a request's logits are the same bits alone or in a ragged batch of 16 (other lengths, positions,
+rows joining midway), cold or from a cached prefix, prefilled in one chunk or several; a seeded
+request draws the same tokens in each case; a token's logits inside a prefill equal its decode
+step's, so a resumed request prefills its earlier tokens in one pass and goes on as it would have.
+
+Through the real serving loop (bare: ranks on a gloo group, no Celery) at TP 1 and 2, on the
+shipped SmolLM2 Q4_1 file (int4pack and int8pack kernels, compiled decode) and on small random
+float models, dense and MoE (oneDNN linears, eager decode). The comparison is exact: logprobs are
+floats from the logits, compared with ==. With the switch off these fail (SDPA's key blocks and
+MKL's row-count-dependent kernels): docs/models.md gives the measured counts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from bare_loop import serve_bare
+from model_fixtures import make_hf_model, make_prompt
+
+from celerytp.core.model_files import default_model_path
+from celerytp.distributed.tp import TPContext
+from celerytp.models import load_model
+
+FAMILIES = {
+    "llama": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)),
+    "qwen3_moe": ("qwen3_moe", dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                                    intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=40, mlp_only_layers=[1])),
+}  # fmt: skip
+
+
+def _model(family: str, tmp_path) -> tuple[str, int]:
+    """(path, vocabulary size) of the shipped file or a small random model of `family`."""
+    if family == "smollm2":
+        return default_model_path(), 49152
+    kind, kwargs = FAMILIES[family]
+    hf = make_hf_model(kind, kwargs, seed=7)
+    hf.save_pretrained(tmp_path / family, safe_serialization=True)
+    return str(tmp_path / family), hf.config.vocab_size
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("family", ["smollm2", "llama", "qwen3_moe"])
+def test_a_request_is_the_same_alone_batched_cached_and_resumed(tmp_path, family, world):
+    path, vocab = _model(family, tmp_path)
+    rng = random.Random(1)
+    prompt = make_prompt(vocab, 13, seed=2)
+    greedy = dict(request_id="g", prompt=prompt, max_tokens=10, sampling=dict(temperature=0, logprobs=2))
+    seeded = dict(request_id="s", prompt=prompt[:9], max_tokens=10, sampling=dict(temperature=0.9, seed=3, logprobs=2))
+    long = dict(request_id="long", prompt=prompt, max_tokens=24, sampling=dict(temperature=0))
+    # 14 others of 3 to 40 tokens, some queued while the rest decode: rows at other positions
+    others = [dict(request_id=f"o{i}", prompt=make_prompt(vocab, rng.randrange(3, 40), seed=10 + i),
+                   max_tokens=rng.randrange(2, 14), **({"after": rng.randrange(1, 6)} if i % 3 == 0 else {}))
+              for i in range(14)]  # fmt: skip
+    # rows holding the prompt's first 11 and 7 tokens and more, free when the two come: cached prefixes
+    warm = [dict(request_id=f"warm{n}", prompt=[*prompt[:n], *make_prompt(vocab, 5, seed=n)], max_tokens=1) for n in (11, 7)]
+    runs = serve_bare(tmp_path, path, world, [
+        [[greedy], []], [[seeded], []], [[long], []],
+        [[*others, dict(greedy, after=2), dict(seeded, after=3)], []],
+        [[*warm, dict(greedy, after=4), dict(seeded, after=4)], []],
+    ], max_batch=16)  # fmt: skip
+    alone = {**runs[0]["rows"], **runs[1]["rows"]}
+    batched, cached = runs[3]["rows"], runs[4]["rows"]
+    assert runs[3]["stats"]["peak_rows"] >= 12, runs[3]["stats"]
+    assert cached["g"]["reused"] > 0 and cached["s"]["reused"] > 0, cached
+    for rid in ("g", "s"):
+        assert len(alone[rid]["tokens"]) > 1, alone[rid]
+        assert batched[rid] == alone[rid], (rid, "batched")
+        assert {**cached[rid], "reused": 0} == alone[rid], (rid, "cached")
+
+    # A resume: the long run's first 16 tokens streamed before a failure. They are prefilled with
+    # the prompt in one pass (2 + 2 steps at a prefill budget of 8, not 16 decode steps), and the
+    # request ends with the tokens it had without one.
+    done = runs[2]["rows"]["long"]["tokens"]
+    (resumed,) = serve_bare(tmp_path, path, world, [[[dict(long, resumed=done[:16])], []]], max_batch=16)
+    assert resumed["rows"]["long"]["tokens"] == done
+    assert resumed["stats"]["steps"] <= runs[2]["stats"]["steps"] - 12, (resumed["stats"], runs[2]["stats"])
+
+
+@pytest.mark.parametrize("family", ["smollm2", "llama", "qwen3_moe"])
+def test_a_tokens_logits_inside_a_prefill_equal_its_decode_steps(tmp_path, family):
+    """TP=1 in process: one prompt prefilled, 12 greedy decode steps, then prompt and tokens
+    prefilled in one forward (and again in chunks of 5): every position's logits, bit for bit."""
+    path, vocab = _model(family, tmp_path)
+    model = load_model(path, TPContext(), max_batch=2, max_context=128)
+    assert model.batch_invariant
+    prompt = make_prompt(vocab, 11, seed=4)
+    logits = model.forward_tokens(torch.tensor(prompt), 0, row=0)
+    tokens, stepped = [int(logits[-1].argmax())], [logits[-1]]
+    for _ in range(12):
+        out = model.decode([tokens[-1]], [True])[0]
+        tokens.append(int(out.argmax()))
+        stepped.append(out)
+    whole = [*prompt, *tokens[:-1]]
+    model.clear_cache()
+    prefilled = model.forward_tokens(torch.tensor(whole), 0, row=0)[len(prompt) - 1 :]
+    model.clear_cache()
+    chunks = torch.cat([model.forward_tokens(torch.tensor(whole[i : i + 5]), i, row=0) for i in range(0, len(whole), 5)])
+    for i, step in enumerate(stepped):
+        assert torch.equal(prefilled[i], step), (family, i)
+        assert torch.equal(chunks[len(prompt) - 1 + i], step), (family, i, "chunked")
