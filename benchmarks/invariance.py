@@ -10,6 +10,9 @@ a fresh process, --threads intra-op threads (1: what each rank of `serve --tp 2`
 Per configuration:
 - decode tokens/s at batch 1 and 16 (rows at positions 64..79, --steps greedy steps);
 - prefill tokens/s of one --prompt-token prompt;
+- a resume of 200 streamed tokens after a 16-token prompt: seconds of model time to put them back
+  in the cache, prefilled in one pass in chunks of the default prefill budget (what a resume does
+  on a batch-invariant model) and replayed one decode step each (what it does otherwise);
 - invariance: 12 greedy steps of one row alone against the same row beside 15 others of other
   lengths (steps whose logits are equal bit for bit), and a prompt plus its 12 decoded tokens
   prefilled in one pass against those decode steps.
@@ -29,6 +32,8 @@ import sys
 import time
 
 STEPS_CHECKED = 12
+RESUMED = 200
+PREFILL_BUDGET = 256  # the load default (core/protocol.py LoadRequest.prefill_budget)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -66,6 +71,18 @@ def measure(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     prefill([long])
     report["prefill_tok_s"] = round(args.prompt / (time.perf_counter() - started), 1)
+    model.clear_cache()
+    resumed = [rng.randrange(1, 40000) for _ in range(16 + RESUMED)]
+    started = time.perf_counter()
+    for start in range(0, len(resumed), PREFILL_BUDGET):
+        model.forward_tokens(torch.tensor(resumed[start : start + PREFILL_BUDGET]), start, last_only=True, row=0)
+    report["resume_200_prefill_s"] = round(time.perf_counter() - started, 3)
+    model.clear_cache()
+    model.forward_tokens(torch.tensor(resumed[:16]), 0, last_only=True, row=0)
+    started = time.perf_counter()
+    for token in resumed[16:]:
+        model.decode([token], [True])
+    report["resume_200_replay_s"] = round(time.perf_counter() - started, 3)
     _, alone = decode(prompts[:1], STEPS_CHECKED)
     _, batched = decode([prompts[0], *[p[: 20 + 7 * i] for i, p in enumerate(prompts[1:])]], STEPS_CHECKED)
     report["batched_equal_steps"] = sum(torch.equal(a, b) for a, b in zip(alone, batched))
@@ -111,6 +128,8 @@ def main() -> None:
     print(f"{'':22s}{'invariant':>12s}{'sdpa+fused':>12s}{'ratio':>8s}")
     for key in ("decode_b1_tok_s", "decode_b16_tok_s", "prefill_tok_s"):
         print(f"{key:22s}{result['invariant'][key]:12.1f}{result['sdpa'][key]:12.1f}{result[key + '_ratio']:8.3f}")
+    for key in ("resume_200_prefill_s", "resume_200_replay_s"):
+        print(f"{key:22s}{result['invariant'][key]:12.3f}{result['sdpa'][key]:12.3f}")
     for key in ("batched_equal_steps", "prefill_equal_steps"):
         print(f"{key:22s}{result['invariant'][key]:12d}{result['sdpa'][key]:12d}   of {STEPS_CHECKED}")
 

@@ -43,9 +43,13 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
 model = load_model(path, TPContext(rank, world), max_batch=int(sys.argv[7]))
 control = ControlGroup.on_default_group(rank, world)
-runs = []
+runs, done = [], {}
 for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over cold rows
     model.clear_cache()
+    for spec in specs:  # "resume": [request id, n]: resumed after the first n tokens an earlier run gave it
+        if "resume" in spec:
+            rid, n = spec.pop("resume")
+            spec["resumed"] = done.get(rid, [])[:n]
     source = Scripted(specs, cancel) if rank == 0 else None
     stats = ServingLoop(model, control, {}, 8, 0.0, source).run()
     if rank == 0:
@@ -54,6 +58,7 @@ for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over col
                  "reused": f.result.reused_tokens, "prompt_logprobs": f.result.prompt_logprobs}
                 for rid, f in source.results.items()}
         runs.append({"stats": stats, "rows": rows})
+        done.update((rid, row["tokens"]) for rid, row in rows.items() if "tokens" in row)
 if rank == 0:
     json.dump(runs, open(out, "w"))
 dist.barrier()

@@ -4,9 +4,10 @@ rows joining midway), cold or from a cached prefix, prefilled in one chunk or se
 request draws the same tokens in each case; a token's logits inside a prefill equal its decode
 step's, so a resumed request prefills its earlier tokens in one pass and goes on as it would have.
 
-Through the real serving loop (bare: ranks on a gloo group, no Celery) at TP 1 and 2, on the
-shipped SmolLM2 Q4_1 file (int4pack and int8pack kernels, compiled decode) and on small random
-float models, dense and MoE (oneDNN linears, eager decode). The comparison is exact: logprobs are
+Through the real serving loop (bare: ranks on a gloo group, no Celery) on the shipped SmolLM2
+Q4_1 file at TP=2 (int4pack and int8pack kernels, compiled decode) and on small random float
+models, dense and MoE (oneDNN linears, eager decode), at TP 1 and 2; in process at TP=1 for all
+three. The comparison is exact: logprobs are
 floats from the logits, compared with ==. With the switch off these fail (SDPA's key blocks and
 MKL's row-count-dependent kernels): docs/models.md gives the measured counts.
 """
@@ -42,8 +43,8 @@ def _model(family: str, tmp_path) -> tuple[str, int]:
     return str(tmp_path / family), hf.config.vocab_size
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("family", ["smollm2", "llama", "qwen3_moe"])
+# The shipped file at the TP size it ships with (TP=1 below, in process: the loop's rows are the model's)
+@pytest.mark.parametrize("family, world", [("smollm2", 2), ("llama", 1), ("llama", 2), ("qwen3_moe", 1), ("qwen3_moe", 2)])
 def test_a_request_is_the_same_alone_batched_cached_and_resumed(tmp_path, family, world):
     path, vocab = _model(family, tmp_path)
     rng = random.Random(1)
@@ -51,16 +52,19 @@ def test_a_request_is_the_same_alone_batched_cached_and_resumed(tmp_path, family
     greedy = dict(request_id="g", prompt=prompt, max_tokens=10, sampling=dict(temperature=0, logprobs=2))
     seeded = dict(request_id="s", prompt=prompt[:9], max_tokens=10, sampling=dict(temperature=0.9, seed=3, logprobs=2))
     long = dict(request_id="long", prompt=prompt, max_tokens=24, sampling=dict(temperature=0))
+    drawn = dict(request_id="drawn", prompt=prompt, max_tokens=24, sampling=dict(temperature=0.9, seed=11))
     # 14 others of 3 to 40 tokens, some queued while the rest decode: rows at other positions
     others = [dict(request_id=f"o{i}", prompt=make_prompt(vocab, rng.randrange(3, 40), seed=10 + i),
                    max_tokens=rng.randrange(2, 14), **({"after": rng.randrange(1, 6)} if i % 3 == 0 else {}))
               for i in range(14)]  # fmt: skip
     # rows holding the prompt's first 11 and 7 tokens and more, free when the two come: cached prefixes
     warm = [dict(request_id=f"warm{n}", prompt=[*prompt[:n], *make_prompt(vocab, 5, seed=n)], max_tokens=1) for n in (11, 7)]
+    # the last run: the long runs resumed after the 16 tokens they had streamed before a failure
     runs = serve_bare(tmp_path, path, world, [
-        [[greedy], []], [[seeded], []], [[long], []],
+        [[greedy], []], [[seeded], []], [[long, drawn], []],
         [[*others, dict(greedy, after=2), dict(seeded, after=3)], []],
         [[*warm, dict(greedy, after=4), dict(seeded, after=4)], []],
+        [[dict(long, resume=["long", 16]), dict(drawn, resume=["drawn", 16])], []],
     ], max_batch=16)  # fmt: skip
     alone = {**runs[0]["rows"], **runs[1]["rows"]}
     batched, cached = runs[3]["rows"], runs[4]["rows"]
@@ -71,29 +75,42 @@ def test_a_request_is_the_same_alone_batched_cached_and_resumed(tmp_path, family
         assert batched[rid] == alone[rid], (rid, "batched")
         assert {**cached[rid], "reused": 0} == alone[rid], (rid, "cached")
 
-    # A resume: the long run's first 16 tokens streamed before a failure. They are prefilled with
-    # the prompt in one pass (2 + 2 steps at a prefill budget of 8, not 16 decode steps), and the
-    # request ends with the tokens it had without one.
-    done = runs[2]["rows"]["long"]["tokens"]
-    (resumed,) = serve_bare(tmp_path, path, world, [[[dict(long, resumed=done[:16])], []]], max_batch=16)
-    assert resumed["rows"]["long"]["tokens"] == done
-    assert resumed["stats"]["steps"] <= runs[2]["stats"]["steps"] - 12, (resumed["stats"], runs[2]["stats"])
+    # The resumed tokens are prefilled with the prompt in one pass (4 steps at a prefill budget of
+    # 8, not 16 decode steps), and each request ends with the tokens it had without a failure,
+    # greedy or seeded.
+    done, resumed = runs[2], runs[5]
+    assert {rid: row["tokens"] for rid, row in resumed["rows"].items()} == {rid: row["tokens"] for rid, row in done["rows"].items()}
+    assert resumed["stats"]["steps"] <= done["stats"]["steps"] - 12, (resumed["stats"], done["stats"])
 
 
 @pytest.mark.parametrize("family", ["smollm2", "llama", "qwen3_moe"])
 def test_a_tokens_logits_inside_a_prefill_equal_its_decode_steps(tmp_path, family):
-    """TP=1 in process: one prompt prefilled, 12 greedy decode steps, then prompt and tokens
-    prefilled in one forward (and again in chunks of 5): every position's logits, bit for bit."""
+    """TP=1 in process: one prompt prefilled, 12 greedy decode steps alone, and again beside 15
+    rows of other lengths; then prompt and tokens prefilled in one forward and in chunks of 5:
+    every position's logits, bit for bit."""
     path, vocab = _model(family, tmp_path)
-    model = load_model(path, TPContext(), max_batch=2, max_context=128)
+    model = load_model(path, TPContext(), max_batch=16, max_context=128)
     assert model.batch_invariant
     prompt = make_prompt(vocab, 11, seed=4)
-    logits = model.forward_tokens(torch.tensor(prompt), 0, row=0)
-    tokens, stepped = [int(logits[-1].argmax())], [logits[-1]]
-    for _ in range(12):
-        out = model.decode([tokens[-1]], [True])[0]
-        tokens.append(int(out.argmax()))
-        stepped.append(out)
+    others = [make_prompt(vocab, 3 + 5 * i, seed=20 + i) for i in range(15)]
+
+    def greedy(rows: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
+        """Row 0's 13 greedy tokens and the logits each was picked from (its prompt's last
+        position's, then 12 decode steps'), `rows[1:]` prefilled and decoding beside it."""
+        model.clear_cache()
+        last = [model.forward_tokens(torch.tensor(p), 0, last_only=True, row=r)[-1] for r, p in enumerate(rows)]
+        picked, nexts = [last[0]], [int(row.argmax()) for row in last]
+        tokens = [nexts[0]]
+        for _ in range(12):
+            out = model.decode(nexts, [True] * len(rows))
+            picked.append(out[0])
+            nexts = [int(t) for t in out.argmax(-1)]
+            tokens.append(nexts[0])
+        return tokens, picked
+
+    tokens, stepped = greedy([prompt])
+    beside_tokens, beside = greedy([prompt, *others])
+    assert beside_tokens == tokens and all(torch.equal(a, b) for a, b in zip(beside, stepped)), family
     whole = [*prompt, *tokens[:-1]]
     model.clear_cache()
     prefilled = model.forward_tokens(torch.tensor(whole), 0, row=0)[len(prompt) - 1 :]

@@ -315,10 +315,11 @@ class ServingLoop:
             self._admitting.append(spec)
 
     def _reusable(self, spec: GenSpec, row: int) -> int:
-        """Prompt tokens of `spec` that `row` holds already; none for a seeded request: reused, its
-        prompt would be computed in another order than cold, and its logits, so its draws, would
-        differ in their last bits (docs/serving.md, "Reproducible sampling"); none for a request
-        asking for its prompt's log-probabilities either: every position's logits must be computed."""
+        """Tokens of `spec`'s feed that `row` holds already; none for a seeded request on a model
+        that is not batch-invariant: reused, its prompt would be computed in another order than
+        cold, and its logits, so its draws, would differ in their last bits (docs/serving.md,
+        "Reproducible sampling"); none for a request asking for its prompt's log-probabilities
+        either: every position's logits must be computed."""
         if (_seeded(spec) and not self.invariant) or spec.prompt_logprobs is not None:
             return 0
         return self.model.reusable_prefix(self.row_tokens.get(row, []), self._feed(spec))
