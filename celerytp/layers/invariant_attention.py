@@ -11,7 +11,7 @@ The kernel is C, built once per machine with the C compiler compiled decode alre
 (`cc`, into the worker's cache directory) and called through ctypes from a torch custom op, so
 compiled decode keeps it as one opaque call. `CELERYTP_BATCH_INVARIANT=0` uses SDPA instead (the
 cost each way: docs/benchmarks.md); where the kernel cannot be built or the device is not a CPU,
-attention is SDPA too, and the load reply's `attention` says which ran.
+attention is SDPA too, and the load reply's `batch_invariant` is false.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ class ServingLoop:
         tokenizer: object | None = None,
     ):
         self.model = model
-        self.invariant = model.batch_invariant  # docs/models.md, "Batch invariance"
+        self.invariant = False  # the model is batch-invariant on every rank: agreed in `run`
         self.control = control
         self.rows = model.max_batch
         self.row_tokens = row_tokens
@@ -221,6 +221,10 @@ class ServingLoop:
     def run(self) -> dict[str, int]:
         """Serve until the queue stays empty for idle_s (or another op waits); rank 0's figures."""
         reset()
+        # What a row prefills and reuses follows it (docs/models.md, "Batch invariance"): every
+        # rank must decide alike, also when one could not build the invariant kernel.
+        agreed = self.control.all_reduce(torch.tensor([int(self.model.batch_invariant)]), "min")
+        self.invariant = bool(agreed[0])
         while True:
             plan = timed("step", self._step)
             if plan.command == ABORT:
