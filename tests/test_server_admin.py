@@ -137,6 +137,22 @@ def test_admin_fields_are_type_checked(served, body, param):
     assert list(served.leader.models()) == [MODEL]
 
 
+def test_an_anonymous_caller_cannot_map_the_routes(served):
+    """The schema is behind the key; a trailing slash is an unknown path (401 first, never a
+    redirect that confirms a route); refused requests count in /metrics as unmatched; the scheme
+    of the Authorization header is case-insensitive."""
+    assert openai_error(httpx.get(f"{served.url}/openapi.json"), 401)["code"] == "invalid_api_key"
+    schema = httpx.get(f"{served.url}/openapi.json", headers=bearer(KEYS[0])).json()
+    assert "/v1/chat/completions" in schema["paths"] and "/admin/models" in schema["paths"]  # admin is on here
+    for path in ("/v1/models/", "/admin/models/", "/v1/chat/completions/"):
+        assert openai_error(httpx.get(f"{served.url}{path}", follow_redirects=False), 401)["code"] == "invalid_api_key"
+    httpx.get(f"{served.url}/admin/models")
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert 'endpoint="/admin/models",status="401"' not in metrics and 'endpoint="unmatched",status="401"' in metrics
+    lowercase = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"bearer {KEYS[1]}"})
+    assert lowercase.status_code == 200 and lowercase.json()["data"][0]["id"] == MODEL
+
+
 def test_admin_refusals_name_no_model_root(served):
     root = os.path.dirname(served.leader.models()[MODEL]["path"])
     missing = httpx.post(f"{served.url}/admin/models", json={"model": "x", "path": os.path.join(root, "nope.gguf")},
@@ -147,6 +163,9 @@ def test_admin_refusals_name_no_model_root(served):
     error = openai_error(outside, 400)
     assert error["param"] == "path" and "outside the model roots" in error["message"]
     assert root not in error["message"]
+    relative = httpx.post(f"{served.url}/admin/models", json={"model": "x", "path": "models/x.gguf"},
+                          headers=bearer(ADMIN))  # made absolute, it would show the server's working directory
+    assert openai_error(relative, 400)["param"] == "path" and os.getcwd() not in relative.text
     assert list(served.leader.models()) == [MODEL]
     assert httpx.get(f"{served.url}/health").status_code == 200
 
@@ -185,6 +204,7 @@ def test_without_an_admin_key_admin_is_off_and_surprises_are_openai_500s():
     client = TestClient(create_app(_Unreliable()), raise_server_exceptions=False)  # no keys at all
     off = client.post("/admin/models", json={"model": "x"})
     assert off.status_code == 404 and off.json()["error"]["code"] == "not_found"
+    assert not any(p.startswith("/admin") for p in client.get("/openapi.json").json()["paths"])
     assert client.delete("/admin/models/smol").status_code == 404
     broken = client.get("/v1/models", headers={"X-Request-Id": "r-1"})
     assert broken.status_code == 500 and broken.headers["x-request-id"] == "r-1"

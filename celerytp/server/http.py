@@ -59,7 +59,9 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
     /metrics wants `Authorization: Bearer <one of them>`; the /admin endpoints want `admin_key`
     (never an inference key) and do not exist without one. /health details need `admin_key` too.
     A request body over `payload_limit` bytes is answered 413 before it is parsed."""
-    app = FastAPI(title="celerytp", docs_url=None, redoc_url=None)
+    # No docs pages; the schema is an endpoint like the others (behind the key, below). A trailing
+    # slash is a path like any other: no redirect that would answer a real route before the key.
+    app = FastAPI(title="celerytp", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     metrics = service.metrics
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
     inference = [f"Bearer {key}".encode() for key in keys if key]
@@ -123,6 +125,14 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi_schema() -> dict:
+        """The OpenAPI schema, for key holders; the /admin routes only where admin is on."""
+        schema = app.openapi()
+        if admin:
+            return schema
+        return {**schema, "paths": {p: v for p, v in schema["paths"].items() if not p.startswith("/admin")}}
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict:
@@ -196,9 +206,11 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def bearer_in(request: Request, expected: list[bytes]) -> bool:
-    """Whether the request's Authorization header is one of `expected`, compared in constant time
-    against every one (no early exit that would tell which key came close)."""
-    given = request.headers.get("authorization", "").encode()
+    """Whether the request's Authorization header is one of `expected` ("Bearer <key>"; the scheme
+    in any case, as RFC 9110 has it), compared in constant time against every one (no early exit
+    that would tell which key came close)."""
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    given = (f"Bearer {credentials}" if scheme.lower() == "bearer" else scheme + credentials).encode()
     found = False
     for candidate in expected:
         found |= hmac.compare_digest(given, candidate)
@@ -336,6 +348,8 @@ def load_fields(body: Any) -> tuple[str, str | None, dict[str, Any]]:
             raise bad("path", "no NUL bytes, at most 4096 characters")
         if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in path.split("/")):
             raise bad("path", "a file or directory name is at most 255 bytes")
+        if not path.startswith("/"):  # made absolute on this host, a refusal would show its working directory
+            raise bad("path", "an absolute path is required (under the server's model roots)")
     options: dict[str, Any] = {}
     for name, limit in ADMIN_INTS.items():
         value = body.get(name)
@@ -376,7 +390,9 @@ class RequestCounter:
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            route = scope.get("route")  # the router writes the matched route into the same scope
+            # The router writes the matched route into the same scope. A refused or unknown request
+            # counts as unmatched, so an anonymous caller cannot map the routes through /metrics.
+            route = scope.get("route") if status[0] not in (401, 404) else None
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
 
 
