@@ -123,6 +123,9 @@ def check_grammar(grammar: dict[str, Any]) -> str | None:
     check). A strict grammar's compile warnings (an approximation) are reasons too."""
     import llguidance
 
+    loop = _ref_loop(grammar["json_schema"]) if "json_schema" in grammar else None
+    if loop is not None:
+        return f"$ref {json.dumps(loop)[:80]} refers back to itself before any value is read (it would recurse forever)"
     try:
         text = grammar_text(grammar)
     except ValueError as exc:
@@ -131,3 +134,44 @@ def check_grammar(grammar: dict[str, Any]) -> str | None:
     if is_error or (messages and grammar.get("strict") is True):
         return "; ".join(messages)
     return None
+
+
+def _ref_loop(schema: Any) -> str | None:
+    """A local `$ref` that reaches itself again through `$ref`s and `anyOf`/`oneOf`/`allOf` alone,
+    consuming no input on the way (a schema that recurses before any value: the grammar would
+    loop or match nothing), or None."""
+    on_path: set[int] = set()
+    done: set[int] = set()
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return None  # remote: llguidance refuses those itself
+        node = schema
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def visit(node: Any) -> str | None:
+        if not isinstance(node, dict) or id(node) in done:
+            return None
+        on_path.add(id(node))
+        ref = node.get("$ref")
+        targets = [resolve(ref)] if isinstance(ref, str) else []
+        for key in ("anyOf", "oneOf", "allOf"):
+            if isinstance(node.get(key), list):
+                targets += node[key]
+        for target in targets:
+            if isinstance(target, dict) and id(target) in on_path:
+                return ref if isinstance(ref, str) else "#"
+            found = visit(target)
+            if found is not None:
+                return found
+        on_path.discard(id(node))
+        done.add(id(node))
+        return None
+
+    try:
+        return visit(schema)
+    except RecursionError:
+        return "#"

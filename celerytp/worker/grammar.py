@@ -60,8 +60,9 @@ class RowGrammar:
             if template is not None:
                 _compiled.move_to_end(key)
         if template is None:
-            # strict (core/grammar.py): checked as the leader checks it, an approximation refused too
-            problem = check_grammar(grammar) if grammar.get("strict") is True else None
+            # checked as the leader checks it (a request from the Celery task or Leader.submit may
+            # not have been); strict (core/grammar.py): an approximation refused too
+            problem = check_grammar(grammar)
             if problem:
                 raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'grammar': {problem}")
             try:
