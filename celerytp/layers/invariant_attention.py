@@ -78,8 +78,8 @@ def _library() -> ctypes.CDLL | None:
                 os.replace(built, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        log.warning("batch-invariant attention unavailable (%s %s); using SDPA", exc, detail.decode(errors="replace")[:500])
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[:500]
+        log.warning("batch-invariant attention unavailable (%s %s); using SDPA", exc, detail)
         return None
     fn = lib.invariant_attention
     fn.restype = ctypes.c_int
@@ -113,8 +113,7 @@ def _invariant_attention(
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         mq, _, mt, mk = mask.stride()
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    strides = _STRIDES(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], mq, mt, mk, os_[0], os_[1], os_[2])
+    strides = _STRIDES(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], mq, mt, mk, *out.stride()[:3])
     code = _library().invariant_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(), out.data_ptr(),
         B, H, T, D, KVH, L, strides, scale, torch.get_num_threads(),

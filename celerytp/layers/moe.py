@@ -97,7 +97,8 @@ class RoutedExperts(nn.Module):
         """
         N, top_k = experts.shape
         if N == 1:  # decode: top_k experts, one token each
-            return _combine([w.to(x.dtype) * self._expert(e, x) for e, w in zip(experts[0].tolist(), weights[0], strict=True)])
+            chosen = zip(experts[0].tolist(), weights[0], strict=True)
+            return _combine([w.to(x.dtype) * self._expert(e, x) for e, w in chosen])
         flat = experts.reshape(-1)  # (N * top_k,)
         order = flat.argsort(stable=True)
         token = order // top_k  # token of each sorted assignment
