@@ -2,7 +2,10 @@
 
 An eager decode step of a 30-layer model dispatches ~1,800 small torch ops; compiling fuses the
 elementwise ones (norms, rotary, SwiGLU, residuals, dtype casts) around the matmul and attention
-kernels. The collectives are custom ops (celerytp/distributed/tp.py), so layers stay one graph.
+kernels. The collectives are custom ops (celerytp/distributed/tp.py), so layers stay one graph;
+so are, with batch invariance on, attention, the norms' mean of squares and the MLP activation
+(layers/invariant_attention.py, layers/eager_ops.py), so that a compiled step rounds as an eager
+prefill does.
 The layers compile in runs of about LAYERS_PER_GRAPH consecutive ones (`run_layers` over each
 run): every call into a compiled graph pays ~50 µs of guards and wrappers, 30 times a step when
 each layer was its own graph; a run of 5 pays it 6 times and compiles in the time one layer did,
