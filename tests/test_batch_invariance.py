@@ -119,3 +119,28 @@ def test_a_tokens_logits_inside_a_prefill_equal_its_decode_steps(tmp_path, famil
     for i, step in enumerate(stepped):
         assert torch.equal(prefilled[i], step), (family, i)
         assert torch.equal(chunks[len(prompt) - 1 + i], step), (family, i, "chunked")
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+def test_the_attention_kernel_is_one_order_per_query_at_every_head_size(head_dim):
+    """The kernel alone (its fast paths for 64 and 128 dims and the general one): a query decoded
+    alone, with keys read past its own, beside other rows, or inside a causal prefill gets the
+    same bits, and they are SDPA's to float32 rounding."""
+    import torch.nn.functional as F
+
+    from celerytp.layers.invariant_attention import attention, attention_kind
+
+    assert attention_kind(torch.device("cpu")) == "invariant"
+    g = torch.Generator().manual_seed(head_dim)
+    T, heads, kv_heads = 37, 6, 2
+    q, k, v = (torch.randn(3, n, T, head_dim, generator=g) for n in (heads, kv_heads, kv_heads))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    prefill = attention(q, k, v, causal, 0.2, "invariant")  # (3, heads, T, head_dim)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.2, enable_gqa=True)
+    torch.testing.assert_close(prefill, expected, atol=1e-5, rtol=1e-5)
+    for t in (0, 5, 16, 36):
+        alone = attention(q[:1, :, t : t + 1], k[:1, :, : t + 1], v[:1, :, : t + 1], None, 0.2, "invariant")
+        assert torch.equal(alone[0, :, 0], prefill[0, :, t]), t
+        past = (torch.arange(T) <= t)[None, None, None].expand(3, 1, 1, T)  # keys read past its own, 3 rows
+        beside = attention(q[:, :, t : t + 1], k, v, past, 0.2, "invariant")
+        assert torch.equal(beside[:, :, 0], prefill[:, :, t]), t

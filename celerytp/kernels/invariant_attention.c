@@ -11,6 +11,7 @@
  * key lands in a vector or in a loop's scalar tail: libm's vector and scalar expf can differ).
  * celerytp/layers/invariant_attention.py builds and loads it.
  */
+#define _GNU_SOURCE /* memrchr */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,15 +19,21 @@
 
 #define LANES 16
 
+/* The LANES partial sums added pairwise, halves first: spelt out so that they stay in registers. */
+static inline float tree(float *acc) {
+    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
+    for (int l = 0; l < 2; l++) acc[l] += acc[l + 2];
+    return acc[0] + acc[1];
+}
+
 static float dot(const float *a, const float *b, int64_t n) {
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
     for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-    return acc[0];
+    return tree(acc);
 }
 
 /* e^x for x <= 0 (a score minus the row's max), within 2 ulp: Cody-Waite reduction by ln 2 and
@@ -46,13 +53,28 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale.f;
 }
 
-static void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+/* o = inv * sum over keys j (in order) of p[j] v[j]: each output dim its own running sum, so
+ * the sizes compiled with constant dims (held in registers) give the bits the general one does. */
+static void weighted(float *o, const float *p, const float *v, int64_t stride, int64_t n, int64_t D, float inv) {
+    float a[D];
+    for (int64_t d = 0; d < D; d++) a[d] = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        if (p[j] != 0.0f)
+            for (int64_t d = 0; d < D; d++) a[d] += p[j] * v[j * stride + d];
+    for (int64_t d = 0; d < D; d++) o[d] = a[d] * inv;
 }
 
-static inline void axpy_lanes(float *restrict y, float a, const float *restrict x) {
-    for (int l = 0; l < LANES; l++) y[l] += a * x[l];
-}
+#define WEIGHTED(DIM)                                                                                  \
+    static void weighted_##DIM(float *o, const float *p, const float *v, int64_t stride, int64_t n,  \
+                               float inv) {                                                          \
+        float a[DIM] = {0};                                                                          \
+        for (int64_t j = 0; j < n; j++)                                                              \
+            if (p[j] != 0.0f)                                                                        \
+                for (int d = 0; d < DIM; d++) a[d] += p[j] * v[j * stride + d];                      \
+        for (int d = 0; d < DIM; d++) o[d] = a[d] * inv;                                             \
+    }
+WEIGHTED(64)
+WEIGHTED(128)
 
 /* q (B, H, T, D), k and v (B, KVH, L, D), out (B, H, T, D), last dims contiguous, other strides
  * in elements, 3 each in `st` for q (b, h, t), k and v (b, h, key), mask and out: mask (B, T, L)
@@ -95,7 +117,12 @@ int invariant_attention(const float *q, const float *k, const float *v, const ui
                 os[i] = out + b * o_st[0] + h * o_st[1] + t * o_st[2];
                 ms[i] = mask ? mask + b * m_st[0] + t * m_st[1] : NULL;
                 int64_t seen = L;
-                if (ms[i]) while (seen > 0 && !ms[i][(seen - 1) * m_st[2]]) seen--;
+                if (ms[i] && m_st[2] == 1) {  /* a bool mask row: the last 1 (memrchr scans it by vectors) */
+                    const uint8_t *hit = memrchr(ms[i], 1, (size_t)L);
+                    seen = hit ? hit - ms[i] + 1 : 0;
+                } else if (ms[i]) {
+                    while (seen > 0 && !ms[i][(seen - 1) * m_st[2]]) seen--;
+                }
                 if (seen > last) last = seen;
             }
             const int64_t Lq = (last + LANES - 1) / LANES * LANES;
@@ -106,28 +133,21 @@ int invariant_attention(const float *q, const float *k, const float *v, const ui
             }
             float totals[group * QB];
             for (int64_t i = 0; i < n; i++) {  /* softmax weights, summed in LANES partial sums by key */
-                float *si = s + i * Lp, m = -INFINITY, lanes[LANES] = {0};
-                for (int64_t j = 0; j < Lq; j++) m = si[j] > m ? si[j] : m;
+                float *si = s + i * Lp, m = -INFINITY, lanes[LANES] = {0}, top[LANES];
+                for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+                for (int64_t j = 0; j < Lq; j += LANES)  /* a max is exact in any order */
+                    for (int l = 0; l < LANES; l++) top[l] = si[j + l] > top[l] ? si[j + l] : top[l];
+                for (int l = 0; l < LANES; l++) m = top[l] > m ? top[l] : m;
                 for (int64_t j = 0; j < Lq; j++) si[j] = exp_nonpositive(si[j] - m);
                 for (int64_t j = 0; j < Lq; j += LANES)
                     for (int l = 0; l < LANES; l++) lanes[l] += si[j + l];
-                for (int w = LANES / 2; w > 0; w /= 2)
-                    for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
-                totals[i] = lanes[0];
+                totals[i] = tree(lanes);
             }
-            for (int64_t i = 0; i < n; i++) {  /* weighted values, key by key, LANES dims at a time */
-                const float *si = s + i * Lp, inv = totals[i] > 0.0f ? 1.0f / totals[i] : 0.0f;
-                for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-                    float a[LANES] = {0};
-                    if (D - d0 >= LANES) {
-                        for (int64_t j = 0; j < Lq; j++)
-                            if (si[j] != 0.0f) axpy_lanes(a, si[j], vb + j * v_st[2] + d0);
-                    } else {
-                        for (int64_t j = 0; j < Lq; j++)
-                            if (si[j] != 0.0f) axpy(a, si[j], vb + j * v_st[2] + d0, D - d0);
-                    }
-                    for (int64_t d = d0; d < D && d < d0 + LANES; d++) os[i][d] = a[d - d0] * inv;
-                }
+            for (int64_t i = 0; i < n; i++) {  /* weighted values, key by key */
+                const float inv = totals[i] > 0.0f ? 1.0f / totals[i] : 0.0f;
+                if (D == 64) weighted_64(os[i], s + i * Lp, vb, v_st[2], Lq, inv);
+                else if (D == 128) weighted_128(os[i], s + i * Lp, vb, v_st[2], Lq, inv);
+                else weighted(os[i], s + i * Lp, vb, v_st[2], Lq, D, inv);
             }
         }
         free(s);
