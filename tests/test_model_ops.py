@@ -200,17 +200,14 @@ def test_unload_frees_memory(tmp_path):
     LlamaForCausalLM(config).save_pretrained(tmp_path / "m", safe_serialization=True)
     with LocalCluster(world_size=2, group="unload", model_roots=[str(tmp_path)]) as cluster:
         leader = cluster.leader
-        # A rank's first load also sets up what stays for its life (oneDNN's and the allocator's
-        # own state: 4-26% of these weights, varying run to run); measure a load after one.
-        leader.load("m", tmp_path / "m")
-        leader.unload("m")
-        loaded = leader.load("m", tmp_path / "m")
-        weights = [r.sharded_bytes + r.replicated_bytes for r in loaded]
-        assert min(weights) > 20e6
-        freed = leader.unload("m")
-        for load, unload, size in zip(loaded, freed, weights):
-            # RSS after load vs after unload: the shard's memory really went back to the OS.
-            assert load.rss_bytes - unload.rss_bytes > 0.8 * size, (load.rss_bytes, unload.rss_bytes, size)
+        for _ in range(2):  # from a rank's second load on, glibc would put weights on the heap (worker/heap.py)
+            loaded = leader.load("m", tmp_path / "m")
+            weights = [r.sharded_bytes + r.replicated_bytes for r in loaded]
+            assert min(weights) > 20e6
+            freed = leader.unload("m")
+            for load, unload, size in zip(loaded, freed, weights):
+                # RSS after load vs after unload: the shard's memory really went back to the OS.
+                assert load.rss_bytes - unload.rss_bytes > 0.9 * size, (load.rss_bytes, unload.rss_bytes, size)
         assert "m" not in leader.models()
         with pytest.raises(CeleryTPError) as info:
             leader.unload("m")

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 from dataclasses import dataclass, field
-
-import torch
 
 from celerytp.core.tokenizer import Tokenizer
 from celerytp.models import CausalLM
@@ -40,13 +36,3 @@ class LoadedModel:
         self.reset_sequence()
         self.row_tokens.clear()
 
-
-def release_memory() -> None:
-    """Return freed heap to the OS, so an unload shows in the RSS."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass

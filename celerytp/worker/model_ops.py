@@ -20,7 +20,8 @@ from celerytp.core.validation import bad_request, check_logit_bias, check_tokens
 from celerytp.models import load_model
 from celerytp.models.half_precision import check_half_precision
 from celerytp.quant.plan import quant_summary
-from celerytp.worker.loaded_model import LoadedModel, release_memory
+from celerytp.worker.heap import mapped_weights, release_memory
+from celerytp.worker.loaded_model import LoadedModel
 from celerytp.worker.sampling import (
     SLICE_DRAW,
     RowSampler,
@@ -130,13 +131,14 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         check_half_precision(DTYPES[dtype_name], state.device)
         if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
             tokenizer = serving_tokenizer(path)
-        model = load_model(
-            path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
-            max_context=request.max_context, max_batch=request.max_batch,
-            progress=ProgressReporter(state, request.model_id),
-            quant=request.quant, kv_cache_bytes=request.kv_cache_bytes,
-            kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None,
-        )
+        with mapped_weights():
+            model = load_model(
+                path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
+                max_context=request.max_context, max_batch=request.max_batch,
+                progress=ProgressReporter(state, request.model_id),
+                quant=request.quant, kv_cache_bytes=request.kv_cache_bytes,
+                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None,
+            )
     except CeleryTPError as exc:
         failure = exc
     except Exception as exc:  # a broken file must not take the worker down
