@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from celerytp.core.app import DEFAULT_BROKER, DEFAULT_GROUP
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import mask_secrets
+
+if TYPE_CHECKING:
+    from celerytp.server.limits import RequestLimits
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,8 +43,9 @@ class NoKeyOnCommandLine(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
-        if option_string == "--admin-key":
-            alternatives = "$CELERYTP_ADMIN_KEY or --admin-key-file PATH"
+        if option_string in ("--admin-key", "--metrics-key"):
+            name = option_string.removeprefix("--").replace("-", "_").upper()
+            alternatives = f"$CELERYTP_{name} or {option_string}-file PATH"
         else:
             alternatives = "$CELERYTP_API_KEYS (comma-separated), $CELERYTP_API_KEY or --api-key-file PATH"
         parser.error(f"{option_string} is not accepted (a key on the command line shows in `ps`); use {alternatives}")
@@ -259,7 +265,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise CeleryTPError(ErrorKind.BAD_REQUEST, f"celerytp serve needs the server extra "
                             f"(pip install 'celerytp[server]'): {exc}") from None
     from celerytp.launch import serve
-    from celerytp.server.config import ServeConfig, admin_key_from, api_keys_from
+    from celerytp.server.config import ServeConfig, admin_key_from, api_keys_from, metrics_key_from
 
     api_keys, admin_key = api_keys_from(args.api_key_file, os.environ), admin_key_from(args.admin_key_file, os.environ)
     checked_connection_file(args)
@@ -268,15 +274,28 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model_path=path, model_id=args.model_id or Path(path).stem, tp=args.tp, host=args.host, port=args.port,
         broker=args.broker, group=args.group, api_keys=api_keys, admin_key=admin_key,
+        metrics_key=metrics_key_from(args.metrics_key_file, os.environ),
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
         frontend=not args.no_frontend, request_timeout=args.request_timeout,
-        device=embedded_device_for(args), payload_limit=args.payload_limit,
+        device=embedded_device_for(args), payload_limit=args.payload_limit, limits=request_limits(args),
     )
     if not args.broker:  # its own ranks start here
         checked_switches()
     check_broker(args)  # an unreachable broker: exit 1 (check_environment would call it a usage error)
     config.check_environment()
     return serve(config)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """serve's --max-* options over $CELERYTP_MAX_* (server/limits.py)."""
+    from celerytp.server.limits import RequestLimits
+
+    try:
+        limits = RequestLimits.from_env(os.environ)
+        given = {"schema_bytes": args.max_schema_bytes, "stop_chars": args.max_stop_chars}
+        return dataclasses.replace(limits, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
 
 
 def _frontend(args: argparse.Namespace) -> int:
@@ -405,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="inference keys, one a line (also: $CELERYTP_API_KEYS comma-separated, $CELERYTP_API_KEY)")
     serve.add_argument("--admin-key-file", default=None, metavar="PATH",
                        help="the key of the /admin endpoints (also: $CELERYTP_ADMIN_KEY; neither: they are off)")
-    serve.add_argument("--api-key", "--admin-key", action=NoKeyOnCommandLine, help=argparse.SUPPRESS)
+    serve.add_argument("--metrics-key-file", default=None, metavar="PATH",
+                       help="the key of /metrics (also: $CELERYTP_METRICS_KEY; neither: /metrics is open)")
+    serve.add_argument("--api-key", "--admin-key", "--metrics-key", action=NoKeyOnCommandLine, help=argparse.SUPPRESS)
     serve.add_argument("--model-id", default=None, help="the name clients use (default: the file name)")
     serve.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
     serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
@@ -413,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     serve.add_argument("--payload-limit", type=positive_int, default=4 << 20, metavar="BYTES",
                        help="the largest request body; a larger one gets 413 before it is parsed (default 4 MiB)")
+    serve.add_argument("--max-schema-bytes", type=positive_int, default=None, metavar="BYTES",
+                       help="the largest JSON schema a request may give (response_format, or its tools' parameters "
+                            "together); default $CELERYTP_MAX_SCHEMA_BYTES or 256 KiB")
+    serve.add_argument("--max-stop-chars", type=positive_int, default=None, metavar="N",
+                       help="the longest stop string (at most 4096); default $CELERYTP_MAX_STOP_CHARS or 512")
     serve.add_argument("--no-frontend", action="store_true", help="do not consume celerytp.generate Celery tasks")
     serve.add_argument("--connection-file", default=os.environ.get("CELERYTP_CONNECTION_FILE"), metavar="PATH",
                        help="the embedded cluster writes how to reach its Redis here (mode 0600: CELERYTP_BROKER, "

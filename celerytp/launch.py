@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from celerytp.client.leader import Leader
 from celerytp.core.secrets import mask_secrets
 from celerytp.server.config import ServeConfig
+from celerytp.server.limits import RequestLimits
 
 
 def say(message: str) -> None:
@@ -51,11 +52,11 @@ def ensure_model(leader: Leader, config: ServeConfig) -> None:
 
 
 @contextlib.contextmanager
-def frontend_process(leader: Leader) -> Iterator[subprocess.Popen]:
+def frontend_process(leader: Leader, limits: RequestLimits) -> Iterator[subprocess.Popen]:
     """A `celerytp frontend` child consuming `celerytp.generate` tasks (the broker URL goes in its
     environment, not its command line, where `ps` would show a password)."""
     env = {**os.environ, "CELERYTP_BROKER": leader.broker_url, "CELERYTP_GROUP": leader.group,
-           "CELERYTP_WORLD_SIZE": str(leader.world_size)}
+           "CELERYTP_WORLD_SIZE": str(leader.world_size), **limits.as_env()}
     proc = subprocess.Popen([sys.executable, "-m", "celerytp", "frontend"], env=env, start_new_session=True)
     try:
         yield proc
@@ -77,7 +78,8 @@ def banner(config: ServeConfig, leader: Leader) -> str:
     return "\n".join([
         (f"celerytp serving {config.model_id!r} at {url}/v1 (tp={config.tp}, group {leader.group!r}, "
          f"broker {mask_secrets(leader.broker_url)})"),
-        f"  API keys: {key}; /admin: {admin}; health: {url}/health; metrics: {url}/metrics",
+        f"  API keys: {key}; /admin: {admin}; health: {url}/health; "
+        f"metrics: {url}/metrics{' (metrics key)' if config.metrics_key else ''}",
         f"  try: curl {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
         f"         -d '{{\"model\": \"{config.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
         f"  Celery: send_task('celerytp.generate', kwargs={{...}}, queue='celerytp.{leader.group}.requests')",
@@ -99,8 +101,9 @@ def serve(config: ServeConfig) -> int:
         ensure_model(leader, config)
         with contextlib.ExitStack() as stack:
             if config.frontend:
-                stack.enter_context(frontend_process(leader))
-            app = create_app(Service(leader, Metrics()), config.api_keys, config.admin_key, config.payload_limit)
+                stack.enter_context(frontend_process(leader, config.limits))
+            app = create_app(Service(leader, Metrics(), config.limits), config.api_keys, config.admin_key,
+                             config.payload_limit, config.metrics_key)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                    timeout_graceful_shutdown=5))
             say(banner(config, leader))

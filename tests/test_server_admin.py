@@ -19,6 +19,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 
 KEYS = ("inference-key-one", "inference-key-two")
 ADMIN = "the-admin-key-789"
+METRICS = "the-metrics-key-456"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def served(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "admin.key"
     key_file.write_text(f"# the operator's key\n{ADMIN}\n")
     with start_served(tmp_path_factory, "--admin-key-file", str(key_file), "--max-batch", "2", tp=1,
-                      env={"CELERYTP_API_KEYS": ",".join(KEYS)}) as served:
+                      env={"CELERYTP_API_KEYS": ",".join(KEYS), "CELERYTP_METRICS_KEY": METRICS}) as served:
         yield served
 
 
@@ -139,15 +140,19 @@ def test_admin_fields_are_type_checked(served, body, param):
 
 def test_an_anonymous_caller_cannot_map_the_routes(served):
     """The schema is behind the key; a trailing slash is an unknown path (401 first, never a
-    redirect that confirms a route); refused requests count in /metrics as unmatched; the scheme
-    of the Authorization header is case-insensitive."""
+    redirect that confirms a route); /metrics is behind its own key (or the admin key) and counts
+    refused requests as unmatched; the scheme of the Authorization header is case-insensitive."""
     assert openai_error(httpx.get(f"{served.url}/openapi.json"), 401)["code"] == "invalid_api_key"
     schema = httpx.get(f"{served.url}/openapi.json", headers=bearer(KEYS[0])).json()
     assert "/v1/chat/completions" in schema["paths"] and "/admin/models" in schema["paths"]  # admin is on here
     for path in ("/v1/models/", "/admin/models/", "/v1/chat/completions/"):
         assert openai_error(httpx.get(f"{served.url}{path}", follow_redirects=False), 401)["code"] == "invalid_api_key"
     httpx.get(f"{served.url}/admin/models")
-    metrics = httpx.get(f"{served.url}/metrics").text
+    for key in (None, KEYS[0]):
+        refused = httpx.get(f"{served.url}/metrics", headers=bearer(key) if key else None)
+        assert openai_error(refused, 401)["message"].startswith("missing or wrong metrics key")
+    assert httpx.get(f"{served.url}/metrics", headers=bearer(ADMIN)).status_code == 200
+    metrics = httpx.get(f"{served.url}/metrics", headers=bearer(METRICS)).text
     assert 'endpoint="/admin/models",status="401"' not in metrics and 'endpoint="unmatched",status="401"' in metrics
     lowercase = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"bearer {KEYS[1]}"})
     assert lowercase.status_code == 200 and lowercase.json()["data"][0]["id"] == MODEL
@@ -187,6 +192,9 @@ def test_a_key_on_the_command_line_is_refused():
     assert "CELERYTP_API_KEYS" in done.stderr and "--api-key-file" in done.stderr and "sekrit" not in done.stderr
     done = cli("celerytp", "serve", "--admin-key=sekrit-value")
     assert done.returncode == 2 and "CELERYTP_ADMIN_KEY" in done.stderr and "sekrit" not in done.stderr
+    done = cli("celerytp", "serve", "--metrics-key", "sekrit-value")
+    assert done.returncode == 2 and "$CELERYTP_METRICS_KEY or --metrics-key-file" in done.stderr
+    assert "sekrit" not in done.stderr
 
 
 class _Unreliable:

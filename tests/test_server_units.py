@@ -10,6 +10,7 @@ from celerytp.client.generation import PROMPT_CHARS_PER_TOKEN, prepare
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.secrets import clipped, mask_secrets
 from celerytp.server.errors import MAX_MESSAGE, MAX_PARAM, error_body, from_celerytp
+from celerytp.server.limits import RequestLimits
 from celerytp.server.schemas import ChatRequest, CompletionRequest, TaskRequest, parse
 from celerytp.server.service import Service
 
@@ -169,6 +170,8 @@ class _Leader:
         prepare(self.models()[model_id], prompt=prompt, messages=messages, **options)
         raise AssertionError("not reached: the record's path does not exist")
 
+    stream = generate  # raises as generate does, before any stream opens
+
 
 class _Service(Service):
     """The real service over _Leader, with no Redis to check the ranks in or count errors in."""
@@ -186,7 +189,10 @@ def api():
 
     from celerytp.server.http import create_app
 
-    return lambda **limits: TestClient(create_app(_Service(_Leader()), **limits), raise_server_exceptions=False)
+    def client(limits: RequestLimits | None = None, **options) -> TestClient:
+        return TestClient(create_app(_Service(_Leader(), limits=limits), **options), raise_server_exceptions=False)
+
+    return client
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_parsed(api):
@@ -225,6 +231,54 @@ def test_hostile_values_get_a_quick_4xx(api):
     long_prompt = client.post("/v1/completions", json={"model": "m", "prompt": "x" * 1_000_000})
     assert long_prompt.status_code == 400 and long_prompt.json()["error"]["param"] == "prompt"
     assert "longer than the model's context" in long_prompt.json()["error"]["message"]
+
+
+def test_stop_strings_and_schemas_over_their_limits_get_a_400_naming_them(api):
+    client = api(RequestLimits(schema_bytes=2000, stop_chars=8))
+    hi = [{"role": "user", "content": "hi"}]
+
+    def refused(**fields) -> dict:
+        answer = client.post("/v1/chat/completions", json={"model": "m", "messages": hi, **fields})
+        assert answer.status_code == 400, answer.text
+        return answer.json()["error"]
+
+    assert refused(stop=["end", "x" * 9])["param"] == "stop[1]"
+    assert refused(stop="x" * 9)["message"] == "field 'stop': 9 characters; a stop string may have at most 8"
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100)}}
+    error = refused(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": big}})
+    assert error["param"] == "response_format.json_schema.schema" and "at most 2000 are taken" in error["message"]
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        f"p{j}": {"type": "string"} for j in range(12)}}}} for i in range(10)]
+    assert refused(tools=tools)["param"] == "tools"  # each fits; together they do not
+    within = client.post("/v1/chat/completions", json={"model": "m", "messages": hi, "stop": "x" * 8,
+                                                        "tools": tools[:2]})
+    assert "no such file" in within.json()["error"]["message"]  # on to the tokenizer: nothing refused
+
+
+def test_the_request_limits_are_serve_options_and_front_door_variables(monkeypatch):
+    from celerytp.cli import build_parser, request_limits
+
+    monkeypatch.delenv("CELERYTP_MAX_SCHEMA_BYTES", raising=False)
+    monkeypatch.setenv("CELERYTP_MAX_STOP_CHARS", "64")
+    parse = build_parser().parse_args
+    assert request_limits(parse(["serve"])) == RequestLimits(stop_chars=64)
+    assert request_limits(parse(["serve", "--max-schema-bytes", "1000", "--max-stop-chars", "9"])) == RequestLimits(
+        schema_bytes=1000, stop_chars=9)
+    with pytest.raises(CeleryTPError, match=r"--max-stop-chars, \$CELERYTP_MAX_STOP_CHARS\) must be in 1..4096"):
+        request_limits(parse(["serve", "--max-stop-chars", "5000"]))
+    monkeypatch.setenv("CELERYTP_MAX_SCHEMA_BYTES", "lots")
+    with pytest.raises(CeleryTPError, match="CELERYTP_MAX_SCHEMA_BYTES must be an integer, got 'lots'"):
+        request_limits(parse(["serve"]))
+    assert RequestLimits.from_env(RequestLimits(schema_bytes=5).as_env()) == RequestLimits(schema_bytes=5)
+
+
+def test_the_celery_task_names_the_field_its_grammar_came_from():
+    from celerytp.server.frontend import run_request
+
+    body = parse(TaskRequest, {"model": "m", "prompt": "hi", "response_format": {"type": "json_object"}})
+    with pytest.raises(CeleryTPError) as info:
+        run_request(_Service(_Leader()), body)
+    assert info.value.message == "field 'response_format': cannot compile it"
 
 
 def test_the_payload_limit_is_a_serve_option():

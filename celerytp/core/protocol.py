@@ -60,6 +60,7 @@ class ShutdownRequest(Request):
 
 
 DType = Literal["float32", "bfloat16", "float16"]
+MAX_STOP_CHARS = 4096  # each stop string on the wire (a server may take less: server/limits.py)
 TokenList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1 << 17)]
 
 
@@ -100,7 +101,7 @@ class GenSpec(Message):
     prompt: TokenList
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)]
     sampling: dict[str, Any] | None = None
-    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=512)]], Field(max_length=16)] = []
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=16)] = []
     eos_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
     stream: bool = False  # rank 0 XADDs each token to the request's stream (keys.stream_key)
     submitted_at: float = 0.0  # the leader's wall clock at submission (queue time in the result)

@@ -12,6 +12,7 @@ import redis
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import mask_secrets
+from celerytp.server.limits import RequestLimits
 
 
 def bad(message: str) -> CeleryTPError:
@@ -89,13 +90,22 @@ def api_keys_from(key_file: str | None, env: Mapping[str, str]) -> tuple[str, ..
 
 def admin_key_from(key_file: str | None, env: Mapping[str, str]) -> str | None:
     """The admin key: --admin-key-file (one key) or $CELERYTP_ADMIN_KEY; none: the admin endpoints are off."""
+    return _one_key(key_file, env, "--admin-key-file", "CELERYTP_ADMIN_KEY")
+
+
+def metrics_key_from(key_file: str | None, env: Mapping[str, str]) -> str | None:
+    """The key of /metrics: --metrics-key-file (one key) or $CELERYTP_METRICS_KEY; none: /metrics is open."""
+    return _one_key(key_file, env, "--metrics-key-file", "CELERYTP_METRICS_KEY")
+
+
+def _one_key(key_file: str | None, env: Mapping[str, str], option: str, variable: str) -> str | None:
     if key_file:
-        keys = keys_from_file(key_file, "--admin-key-file")
+        keys = keys_from_file(key_file, option)
         if len(keys) != 1:
-            raise bad(f"--admin-key-file: {key_file} must hold exactly one key, found {len(keys)}")
+            raise bad(f"{option}: {key_file} must hold exactly one key, found {len(keys)}")
         return keys[0]
-    key = env.get("CELERYTP_ADMIN_KEY", "").strip()
-    return _checked_key(key, "$CELERYTP_ADMIN_KEY") if key else None
+    key = env.get(variable, "").strip()
+    return _checked_key(key, f"${variable}") if key else None
 
 
 @dataclass(frozen=True)
@@ -109,10 +119,12 @@ class ServeConfig:
     group: the rank workers' group.
     api_keys: Bearer keys, any one of which opens the API (empty: open).
     admin_key: Bearer key of the /admin endpoints and /health's details (None: the admin endpoints are off).
+    metrics_key: Bearer key of /metrics (None: /metrics is open); the admin key opens it too.
     quant, max_batch, max_context: load settings.
     frontend: also consume `celerytp.generate` tasks (the Celery front door).
     request_timeout: seconds a request may take before it is cancelled and answered 504.
     payload_limit: the largest request body in bytes; a larger one is answered 413 before it is parsed.
+    limits: what one request may ask otherwise (server/limits.py), on both front doors.
     device: the embedded cluster's worker --device (embedded_devices.py `embedded_device`).
     """
 
@@ -125,6 +137,7 @@ class ServeConfig:
     group: str = "default"
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_key: str | None = field(default=None, repr=False)
+    metrics_key: str | None = field(default=None, repr=False)
     quant: str | None = None
     max_batch: int = 16
     max_context: int | None = None
@@ -132,6 +145,7 @@ class ServeConfig:
     request_timeout: float = 600.0
     device: str = "cpu"
     payload_limit: int = 4 << 20  # server/http.py DEFAULT_PAYLOAD_LIMIT
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         positive("--tp", self.tp)

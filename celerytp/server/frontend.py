@@ -35,8 +35,10 @@ from kombu import Queue
 from celerytp.client.leader import Leader
 from celerytp.core.app import make_app
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.secrets import clipped, mask_secrets
+from celerytp.core.secrets import clipped
 from celerytp.server import tools
+from celerytp.server.errors import as_sent, shown
+from celerytp.server.limits import RequestLimits
 from celerytp.server.schemas import TaskRequest, parse
 from celerytp.server.service import Service, error_code
 
@@ -86,6 +88,7 @@ def run_request(
 ) -> dict[str, Any]:
     """One `celerytp.generate` request, as the task returns it; `progress` gets `{"model", "text",
     "tokens"}` so far at most every PROGRESS_S while it generates."""
+    service.limits.check(body)
     model_id = service.resolve(body.model)
     options = {**body.options(), **({"request_id": request_id} if request_id else {})}
     mode = tools.apply(service, model_id, body, options)  # response_format, tools: refused here, before queueing
@@ -99,7 +102,7 @@ def run_request(
                     progress({"model": model_id, "text": text, "tokens": stream.tokens})
     except CeleryTPError as exc:
         service.count_error(model_id, exc)
-        raise
+        raise as_sent(exc, tools.grammar_field(mode, options)) from None
     result = stream.result
     assert result is not None  # the stream ended with its result (errors raise)
     service.count(model_id, result)
@@ -143,7 +146,7 @@ def register_generate(app: Celery, service: Callable[[], Service]) -> None:
 
             reply = run_request(svc, body, request_id, progress)
         except CeleryTPError as exc:
-            raise RuntimeError(f"{error_code(exc.kind)}: {mask_secrets(exc.message)}") from None
+            raise RuntimeError(f"{error_code(exc.kind)}: {shown(exc.message)}") from None
         finally:
             done.set()
         if why and reply["finish_reason"] == "cancelled":
@@ -205,9 +208,9 @@ def _as_datetime(value: Any) -> datetime | None:
     return None
 
 
-def make_frontend_app(broker_url: str, group: str, world_size: int) -> Celery:
+def make_frontend_app(broker_url: str, group: str, world_size: int, limits: RequestLimits | None = None) -> Celery:
     """A Celery app that knows the rank queues and the requests queue, with `celerytp.generate`
-    registered (its Leader is made on first use, in the worker process)."""
+    registered (its Leader is made on first use, in the worker process) under `limits`."""
     app = make_app(broker_url, group, world_size, main="celerytp")
     app.conf.task_queues = [*app.conf.task_queues, Queue(requests_queue(group), routing_key=requests_queue(group))]
     app.conf.task_routes = {GENERATE_TASK: {"queue": requests_queue(group)}}
@@ -219,7 +222,7 @@ def make_frontend_app(broker_url: str, group: str, world_size: int) -> Celery:
     def service() -> Service:
         with lock:
             if not made:
-                made.append(Service(Leader(broker_url, group, world_size)))
+                made.append(Service(Leader(broker_url, group, world_size), limits=limits))
             return made[0]
 
     register_generate(app, service)

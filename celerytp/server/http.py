@@ -54,11 +54,12 @@ _END = object()
 
 
 def create_app(service: Service, api_keys: str | Sequence[str] | None = None, admin_key: str | None = None,
-               payload_limit: int = DEFAULT_PAYLOAD_LIMIT) -> FastAPI:
+               payload_limit: int = DEFAULT_PAYLOAD_LIMIT, metrics_key: str | None = None) -> FastAPI:
     """The API over `service`. With `api_keys` (one key or several), every endpoint but /health and
     /metrics wants `Authorization: Bearer <one of them>`; the /admin endpoints want `admin_key`
     (never an inference key) and do not exist without one. /health details need `admin_key` too.
-    A request body over `payload_limit` bytes is answered 413 before it is parsed."""
+    A request body over `payload_limit` bytes is answered 413 before it is parsed. With `metrics_key`,
+    /metrics wants it (or the admin key)."""
     # No docs pages; the schema is an endpoint like the others (behind the key, below). A trailing
     # slash is a path like any other: no redirect that would answer a real route before the key.
     app = FastAPI(title="celerytp", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -66,6 +67,7 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
     inference = [f"Bearer {key}".encode() for key in keys if key]
     admin = [f"Bearer {admin_key}".encode()] if admin_key else []
+    scraper = [f"Bearer {metrics_key}".encode(), *admin] if metrics_key else []
     enable_access_log()
 
     def authorised(request: Request) -> None:
@@ -123,7 +125,10 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         return JSONResponse({"ok": report["ok"], "status": "up" if report["ok"] else "down"}, status_code=status)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if scraper and not bearer_in(request, scraper):
+            raise HTTPProblem(401, "missing or wrong metrics key (Authorization: Bearer <metrics key>)",
+                              "invalid_api_key")
         return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
@@ -176,6 +181,7 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         return {"id": model_id, "object": "model", "deleted": True}
 
     async def answer(request: Request, body: SamplingFields, chat: bool) -> Response:
+        service.limits.check(body)
         model_id = await run_in_threadpool(service.resolve, body.model)
         request_id = uuid.uuid4().hex
         options = {**body.options(), "request_id": request_id}
@@ -183,9 +189,7 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         mode = await run_in_threadpool(tools.apply, service, model_id, body, options)  # structured output
         shape = (StreamedCalls if body.stream and mode else Shape)(chat, model_id, request_id, top_logprobs(body), decode)
         shape.tools = mode
-        if "grammar" in options:  # an error about it names the field the caller wrote
-            shape.grammar_field = "tools" if mode is not None and mode.forced is not None else "response_format"
-            request.state.grammar_field = shape.grammar_field
+        shape.grammar_field = request.state.grammar_field = tools.grammar_field(mode, options)
         shape.echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
         rows = choice_options(options, body.n)
         if body.stream:

@@ -14,6 +14,7 @@ from celerytp.core.liveness import read_owners
 from celerytp.core.redis_client import broker_errors
 from celerytp.core.secrets import clipped
 from celerytp.core.tokenizer import load_tokenizer
+from celerytp.server.limits import RequestLimits
 from celerytp.server.metrics import Metrics, record_error, record_served, watch_cluster
 
 
@@ -42,11 +43,13 @@ class Service:
     """Args:
     leader: the group's leader client.
     metrics: where served requests are counted (None: not counted).
+    limits: what one request may ask (server/limits.py), checked by both front doors.
     """
 
-    def __init__(self, leader: Leader, metrics: Metrics | None = None):
+    def __init__(self, leader: Leader, metrics: Metrics | None = None, limits: RequestLimits | None = None):
         self.leader = leader
         self.metrics = metrics
+        self.limits = limits or RequestLimits()
         if metrics is not None:
             watch_cluster(metrics, lambda: leader.redis, leader.group, leader.world_size)
 

@@ -384,6 +384,14 @@ def history(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def grammar_field(mode: ToolMode | None, options: dict[str, Any]) -> str | None:
+    """The request field a request's grammar came from (an error about it names that field, not the
+    wire's `grammar`): `tools` for a forced call, else `response_format`; None without a grammar."""
+    if "grammar" not in options:
+        return None
+    return "tools" if mode is not None and mode.forced is not None else "response_format"
+
+
 def apply(service: Any, model_id: str, body: Any, options: dict[str, Any]) -> ToolMode | None:
     """`structure` for a request to `model_id` (blocking: it may read the model's tokenizer)."""
     messages = getattr(body, "messages", None) or []
