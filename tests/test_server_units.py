@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from celerytp.client.generation import PROMPT_CHARS_PER_TOKEN, prepare
 from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
@@ -299,3 +301,23 @@ def test_an_admin_path_with_a_name_too_long_for_any_file_system_is_refused_here(
     with pytest.raises(CeleryTPError, match=r"field 'path': a file or directory name is at most 255 bytes"):
         load_fields({"model": "x", "path": "/models/" + "a" * 256 + "/model.gguf"})
     assert load_fields({"model": "x", "path": "/models/" + "a" * 255})[1] == "/models/" + "a" * 255
+
+
+_TEXT = st.text(max_size=12) | st.sampled_from(["\ud800", "a\udfffb", "x" * 5000, "{\"$ref\": \"#\"}"])
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=st.lists(_JSON, max_size=1),
+       kwargs=st.dictionaries(st.sampled_from([*sorted(TaskRequest.model_fields), "surprise"]), _JSON, max_size=6))
+def test_celery_task_arguments_of_any_shape_get_a_typed_error(args, kwargs):
+    """What a producer can send `celerytp.generate`: the task checks it as it would in a worker
+    (up to the leader's own checks, which find no model file here) and raises only CeleryTPError."""
+    from celerytp.server.frontend import check_call, run_request
+
+    with pytest.raises(CeleryTPError):
+        run_request(_Service(_Leader()), check_call(tuple(args), kwargs))

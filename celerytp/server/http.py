@@ -41,6 +41,7 @@ from celerytp.server.errors import (
     validation_response,
 )
 from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs, echoed_logprobs, text_length
+from celerytp.server.openapi import admin_load_schema, with_request_bodies
 from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, StreamOptions, parse
 from celerytp.server.service import Service
 
@@ -134,7 +135,9 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
     @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
     async def openapi_schema() -> dict:
         """The OpenAPI schema, for key holders; the /admin routes only where admin is on."""
-        schema = app.openapi()
+        if app.openapi_schema is None:
+            app.openapi_schema = with_request_bodies(app.openapi(), admin_load_schema(ADMIN_INTS, ADMIN_STRINGS))
+        schema = app.openapi_schema
         if admin:
             return schema
         return {**schema, "paths": {p: v for p, v in schema["paths"].items() if not p.startswith("/admin")}}
