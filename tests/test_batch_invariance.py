@@ -15,6 +15,7 @@ MKL's row-count-dependent kernels): docs/models.md gives the measured counts.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -94,22 +95,8 @@ def test_a_tokens_logits_inside_a_prefill_equal_its_decode_steps(tmp_path, famil
     prompt = make_prompt(vocab, 11, seed=4)
     others = [make_prompt(vocab, 3 + 5 * i, seed=20 + i) for i in range(15)]
 
-    def greedy(rows: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
-        """Row 0's 13 greedy tokens and the logits each was picked from (its prompt's last
-        position's, then 12 decode steps'), `rows[1:]` prefilled and decoding beside it."""
-        model.clear_cache()
-        last = [model.forward_tokens(torch.tensor(p), 0, last_only=True, row=r)[-1] for r, p in enumerate(rows)]
-        picked, nexts = [last[0]], [int(row.argmax()) for row in last]
-        tokens = [nexts[0]]
-        for _ in range(12):
-            out = model.decode(nexts, [True] * len(rows))
-            picked.append(out[0])
-            nexts = [int(t) for t in out.argmax(-1)]
-            tokens.append(nexts[0])
-        return tokens, picked
-
-    tokens, stepped = greedy([prompt])
-    beside_tokens, beside = greedy([prompt, *others])
+    tokens, stepped = _greedy(model, [prompt])
+    beside_tokens, beside = _greedy(model, [prompt, *others])
     assert beside_tokens == tokens and all(torch.equal(a, b) for a, b in zip(beside, stepped)), family
     whole = [*prompt, *tokens[:-1]]
     model.clear_cache()
@@ -119,6 +106,38 @@ def test_a_tokens_logits_inside_a_prefill_equal_its_decode_steps(tmp_path, famil
     for i, step in enumerate(stepped):
         assert torch.equal(prefilled[i], step), (family, i)
         assert torch.equal(chunks[len(prompt) - 1 + i], step), (family, i, "chunked")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_a_hybrid_models_decode_steps_are_the_same_alone_and_batched(tmp_path, name):
+    """Gated DeltaNet decodes one token at a time with the recurrent rule, per row: its steps are
+    batch-invariant. Its prefill runs the chunked rule (another order), so the model reports
+    itself not invariant and the serving loop treats it so (resumes replay, seeded rows apart)."""
+    from test_models_hybrid import HYBRID_CONFIGS, VOCAB, make_hybrid_model
+
+    family, kwargs, _ = HYBRID_CONFIGS[name]
+    make_hybrid_model(family, kwargs, seed=5).save_pretrained(tmp_path / name, safe_serialization=True)
+    model = load_model(tmp_path / name, TPContext(), max_batch=16, max_context=128)
+    assert not model.batch_invariant
+    prompt = make_prompt(VOCAB, 11, seed=4)
+    tokens, alone = _greedy(model, [prompt])
+    beside_tokens, beside = _greedy(model, [prompt, *(make_prompt(VOCAB, 3 + 5 * i, seed=20 + i) for i in range(15))])
+    assert beside_tokens == tokens and all(torch.equal(a, b) for a, b in zip(alone, beside)), name
+
+
+def _greedy(model: Any, rows: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
+    """Row 0's 13 greedy tokens and the logits each was picked from (its prompt's last
+    position's, then 12 decode steps'), `rows[1:]` prefilled and decoding beside it."""
+    model.clear_cache()
+    last = [model.forward_tokens(torch.tensor(p), 0, last_only=True, row=r)[-1] for r, p in enumerate(rows)]
+    picked, nexts = [last[0]], [int(row.argmax()) for row in last]
+    tokens = [nexts[0]]
+    for _ in range(12):
+        out = model.decode(nexts, [True] * len(rows))
+        picked.append(out[0].clone())
+        nexts = [int(t) for t in out.argmax(-1)]
+        tokens.append(nexts[0])
+    return tokens, picked
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])

@@ -19,7 +19,9 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.hybrid_norm import GatedRMSNorm
 from celerytp.layers.kv_cache import CacheSlots
+from celerytp.layers.lanewise import lanewise
 from celerytp.layers.linear import RowParallelLinear
+from celerytp.layers.packed_linear import float_linear
 from celerytp.layers.partition import HeadShard, split_linear_heads
 from celerytp.layers.quantized import QuantizedWeight
 from celerytp.layers.recurrent_state import RecurrentState
@@ -216,11 +218,11 @@ class GatedDeltaNet(nn.Module):
         rows = slice(slots.first_row, slots.first_row + B)
         conv_state, ssm_state = self.state.conv[rows], self.state.ssm[rows]  # views of these rows' state
         qw = self.in_proj.qweight
-        qkv, z, b, a = (F.linear(x, self.in_proj.weight) if qw is None else qw(x)).split(self.split_sizes, dim=-1)
+        qkv, z, b, a = (float_linear(x, self.in_proj.weight, None) if qw is None else qw(x)).split(self.split_sizes, dim=-1)
         qkv = causal_conv(qkv, self.conv1d.weight, conv_state, slots.active)  # (B, T, conv_dim)
         q, k, v = qkv.split([self.layout.key_dim, self.layout.key_dim, self.layout.value_dim], dim=-1)
-        beta = b.float().sigmoid()  # (B, T, nv)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (B, T, nv), log decay
+        beta = lanewise(torch.sigmoid, b.float())  # (B, T, nv)
+        g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias.float())  # (B, T, nv), log decay
         if slots.active is not None:  # passenger rows: no decay (g = 0) and no write (beta = 0) leave S as it was
             keep = slots.active[:, None, None]
             beta, g = beta * keep, g * keep
@@ -250,11 +252,11 @@ def causal_conv(
         out = (full * weight[:, 0]).sum(-1, keepdim=True)  # (B, C, 1)
     else:
         out = F.conv1d(full, weight, groups=weight.shape[0])  # (B, C, T)
-    return F.silu(out).transpose(1, 2)
+    return lanewise(F.silu, out).transpose(1, 2)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    return x * lanewise(torch.rsqrt, (x * x).sum(-1, keepdim=True) + eps)
 
 
 def gated_delta_rule(
@@ -289,7 +291,7 @@ def _recurrent_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
     """One token: S <- S exp(g); S <- S + k (beta (v - k^T S))^T; out = q^T S. q, k (B, H, dk)."""
-    state.mul_(g.exp()[..., None, None])
+    state.mul_(lanewise(torch.exp, g)[..., None, None])
     kv_mem = (k.unsqueeze(-2) @ state).squeeze(-2)  # (B, H, dv)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))

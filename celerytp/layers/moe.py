@@ -14,6 +14,7 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.lanewise import lanewise
 from celerytp.layers.linear import ReplicatedLinear
 from celerytp.layers.mlp import SwiGLUMLP
 from celerytp.layers.packed_linear import float_linear
@@ -177,5 +178,5 @@ class SparseMoeBlock(nn.Module):
         y = self.experts(flat, experts, weights.to(logits.dtype))
         if self.shared_expert is not None:
             # The gate scales this rank's partial sum, so gating before the reduction is exact.
-            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            y = y + lanewise(torch.sigmoid, self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return self.tp.all_reduce(y).view(shape)  # the block's one all-reduce
