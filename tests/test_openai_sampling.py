@@ -91,6 +91,12 @@ def test_unused_values_of_unsupported_fields_are_accepted(client):
     ({"n": "2"}, "n", "integer"),
     ({"echo": True, "logprobs": 2, "stream": True}, "echo", "in a stream"),
     ({"echo": True, "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"max_tokens": 0}, "max_tokens", "0 only with \"echo\""),
+    ({"max_tokens": 0, "echo": True, "stream": True}, "max_tokens", "not streamed"),
+    ({"prompt": [5, 10000000]}, "prompt", "outside the vocabulary"),
+    ({"prompt": []}, "prompt", "1 to 64 prompts"),
+    ({"prompt": [[1, 2], []]}, "prompt", "a non-empty string or a non-empty list of token ids"),
+    ({"prompt": ["a"] * 65}, "prompt", "1 to 64 prompts"),
 ])
 def test_unsupported_or_mistyped_fields_are_refused_by_name(client, served, extra, field, says):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -366,3 +372,37 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first(client):
                                        temperature=0).choices[0].logprobs
     assert echoed.tokens[len(prompt_ids)] == generated  # precondition: the prompt tokenizes as before
     assert abs(echoed.token_logprobs[len(prompt_ids)] - generated_logprob) < 0.15
+
+
+def test_lm_eval_harness_scores_a_batch_of_token_id_prompts(client, served):
+    """lm-evaluation-harness's `local-completions` log-likelihood request: a list of token-id
+    prompts, `echo`, `max_tokens` 0 and `logprobs`. Each prompt's tokens and log-probabilities
+    are those of the same prompt sent alone as text (the model is batch-invariant: to the bit),
+    nothing is generated, and /tokenize and /detokenize turn text and ids into each other as the
+    server feeds them."""
+    texts = ["The capital of France is", "one two three four", "Hello"]
+    tokenized = [httpx.post(f"{served.url}/tokenize", json={"model": MODEL, "prompt": t}).json() for t in texts]
+    ids = [t["tokens"] for t in tokenized]
+    assert ids[0] == load_tokenizer(default_model_path()).encode(texts[0]) and tokenized[0]["count"] == len(ids[0])
+    assert tokenized[0]["max_model_len"] == client.models.retrieve(MODEL).model_extra["max_model_len"]
+    for text, prompt in zip(texts, ids):
+        assert httpx.post(f"{served.url}/detokenize", json={"model": MODEL, "tokens": prompt}).json() == {"prompt": text}
+    chat = httpx.post(f"{served.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"][-3:] != ids[2][-3:] and chat["count"] > 3  # the chat template rendered around it
+
+    scored = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    assert [c.index for c in scored.choices] == [0, 1, 2]
+    assert scored.usage.prompt_tokens == sum(map(len, ids)) and scored.usage.completion_tokens == 0
+    for choice, text, prompt in zip(scored.choices, texts, ids):
+        alone = client.completions.create(model=MODEL, prompt=text, echo=True, max_tokens=1, logprobs=1,
+                                          temperature=0).choices[0]
+        assert choice.text == text and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == alone.logprobs.tokens[: len(prompt)]
+        assert choice.logprobs.token_logprobs == alone.logprobs.token_logprobs[: len(prompt)]
+
+    two_each = client.completions.create(model=MODEL, prompt=texts[1:], n=2, max_tokens=3, temperature=0.8, seed=5)
+    assert [c.index for c in two_each.choices] == [0, 1, 2, 3]
+    assert two_each.usage.prompt_tokens == len(ids[1]) + len(ids[2])  # each prompt once, not once a choice
+    for i, text in enumerate(texts[1:]):  # choice j of prompt i is that prompt's choice j alone
+        alone = client.completions.create(model=MODEL, prompt=text, n=2, max_tokens=3, temperature=0.8, seed=5)
+        assert [c.text for c in two_each.choices[2 * i : 2 * i + 2]] == [c.text for c in alone.choices]

@@ -43,7 +43,8 @@ def test_bodies_are_checked_with_the_field_named():
     assert refused(ChatRequest, {"model": "m", "messages": []}).startswith("field 'messages'")
     assert refused(ChatRequest, {"model": "m", "messages": [{"role": "robot", "content": "x"}]}).startswith(
         "field 'messages.0.role'")
-    assert refused(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).startswith("field 'prompt'")
+    assert refused(CompletionRequest, {"model": "m", "prompt": ["a", [1, 2]]}).startswith("field 'prompt'")
+    assert refused(CompletionRequest, {"model": "m", "prompt": [1, True]}).startswith("field 'prompt'")
     assert refused(CompletionRequest, {"model": "m", "prompt": "a", "stop": list("abcde")}).startswith("field 'stop'")
     assert refused(TaskRequest, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}).startswith(
         "field 'body': give exactly one")

@@ -132,22 +132,26 @@ def check_prompt_text(prompt: Any, messages: Any, tools: Any, max_context: int) 
                                         f"character {exc.start} of one of its strings") from None
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str | None, messages: list[dict] | None,
+def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int] | None, messages: list[dict] | None,
                tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids: a text tokenized, a chat rendered by the model's template and
+    tokenized, or token ids as given (checked against the vocabulary later, with the spec)."""
     if (prompt is None) == (messages is None):
         raise bad_request("prompt", "give exactly one of prompt and messages")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages", "a non-empty list of {role, content} objects is required")
         return tokenizer.apply_chat_template(messages, tools=tools) if tools else tokenizer.apply_chat_template(messages)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return list(prompt)
     if not isinstance(prompt, str) or not prompt:
-        raise bad_request("prompt", "a non-empty string is required")
+        raise bad_request("prompt", "a non-empty string or a non-empty list of token ids is required")
     return tokenizer.encode(prompt)
 
 
 def prepare(
     record: dict[str, Any],
-    prompt: str | None = None,
+    prompt: str | list[int] | None = None,
     messages: list[dict] | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,

@@ -233,9 +233,11 @@ class Leader:
 
     @broker_errors
     def generate(
-        self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, mode: str = "fused", **options
+        self, model_id: str, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+        mode: str = "fused", **options
     ) -> GenerationResult:
-        """Generate one completion from `prompt` (raw text) or `messages` (chat template applied).
+        """Generate one completion from `prompt` (raw text, or token ids as they are) or `messages`
+        (chat template applied).
 
         Options: max_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty,
         frequency_penalty, logit_bias ({token id: bias}), min_p, seed, logprobs, prompt_logprobs
@@ -259,7 +261,9 @@ class Leader:
         return finish(prepared, row, mode)
 
     @broker_errors
-    def stream(self, model_id: str, prompt: str | None = None, messages: list[dict] | None = None, **options) -> TokenStream:
+    def stream(
+        self, model_id: str, prompt: str | list[int] | None = None, messages: list[dict] | None = None, **options
+    ) -> TokenStream:
         """Like generate (fused), but iterate the returned stream for text deltas as they come.
 
         `stream.request_id` names the request for `cancel`; `stream.result` is the final

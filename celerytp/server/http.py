@@ -8,6 +8,7 @@ watched and a client that goes away has its generation cancelled on the ranks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -42,7 +43,15 @@ from celerytp.server.errors import (
 )
 from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs, echoed_logprobs, text_length
 from celerytp.server.openapi import admin_load_schema, with_request_bodies
-from celerytp.server.schemas import ChatRequest, CompletionRequest, SamplingFields, StreamOptions, parse
+from celerytp.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    StreamOptions,
+    TokenizeRequest,
+    parse,
+)
 from celerytp.server.service import Service
 
 DISCONNECT_POLL_S = 0.1
@@ -165,6 +174,19 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         body = parse(ChatRequest, await json_body(request))
         return await answer(request, body, chat=True)
 
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> dict:
+        body = parse(TokenizeRequest, await json_body(request))
+        model_id = await run_in_threadpool(service.resolve, body.model)
+        messages = None if body.messages is None else [m.as_dict() for m in body.messages]
+        return await run_in_threadpool(service.tokenize, model_id, body.prompt, messages)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> dict:
+        body = parse(DetokenizeRequest, await json_body(request))
+        model_id = await run_in_threadpool(service.resolve, body.model)
+        return await run_in_threadpool(service.detokenize, model_id, body.tokens)
+
     @app.post("/admin/models", dependencies=admin_auth)
     async def load_model(request: Request) -> dict:
         model_id, path, options = load_fields(await json_body(request))
@@ -193,8 +215,14 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         shape = (StreamedCalls if body.stream and mode else Shape)(chat, model_id, request_id, top_logprobs(body), decode)
         shape.tools = mode
         shape.grammar_field = request.state.grammar_field = tools.grammar_field(mode, options)
-        shape.echo = body.prompt if isinstance(body, CompletionRequest) and body.echo else ""
-        rows = choice_options(options, body.n)
+        prompts = body.prompts if isinstance(body, CompletionRequest) else [None]
+        rows = [row for i, prompt in enumerate(prompts) for row in choice_options(
+            options if prompt is None else prompt_options(options, prompt, i, len(prompts)), body.n)]
+        shape.n = body.n
+        if isinstance(body, CompletionRequest) and body.echo:
+            texts = await run_in_threadpool(echo_texts, service, model_id, prompts)
+            shape.echoes = [text for text in texts for _ in range(body.n)]
+        shape.scores_only = isinstance(body, CompletionRequest) and body.scores_only
         if body.stream:
             streams = await run_in_threadpool(open_streams, service, model_id, rows)  # a bad request fails here, as JSON
             events = sse(service, request, streams, shape, body.stream_options)
@@ -424,6 +452,20 @@ async def until_disconnected(request: Request, work: Awaitable[Any], on_disconne
     return await task
 
 
+def prompt_options(options: dict[str, Any], prompt: str | list[int], index: int, prompts: int) -> dict[str, Any]:
+    """The leader options of prompt `index` of a completion's `prompts`."""
+    request_id = options["request_id"] if prompts == 1 else f"{options['request_id']}-p{index}"
+    return {**options, "prompt": prompt, "request_id": request_id}
+
+
+def echo_texts(service: Service, model_id: str, prompts: list[str | list[int]]) -> list[str]:
+    """Each prompt as a completion with `echo` starts its text: as sent, or token ids decoded."""
+    if all(isinstance(prompt, str) for prompt in prompts):
+        return list(prompts)
+    decode = service.decoder(model_id)
+    return [prompt if isinstance(prompt, str) else decode(prompt) for prompt in prompts]
+
+
 def choice_options(options: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """The leader options of each of `n` choices: request ids derived from the response's, and
     with a seed, choice i seeded seed + i (so choice 0 is the n=1 request, and all reproducible)."""
@@ -528,7 +570,7 @@ async def sse(service: Service, request: Request, streams: list[TokenStream], sh
             if out:
                 yield "".join(out)
         if include_usage:
-            yield event({**shape.chunk("", None), "choices": [], "usage": usage(*(s.result for s in streams))})
+            yield event({**shape.chunk("", None), "choices": [], "usage": shape.usage([s.result for s in streams])})
         yield "data: [DONE]\n\n"
     except CeleryTPError as exc:
         await run_in_threadpool(service.count_error, shape.model_id, exc)
@@ -557,6 +599,12 @@ def event(payload: dict) -> str:
 
 def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def prompt_only(result: GenerationResult) -> GenerationResult:
+    """A completion's result with what was generated dropped (max_tokens 0: the prompt scored only)."""
+    return dataclasses.replace(result, text="", token_ids=[], finish_reason="length",
+                               logprobs=None if result.logprobs is None else [])
 
 
 def usage(*results: GenerationResult) -> dict[str, int]:
@@ -591,7 +639,9 @@ class Shape:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.tools: tools.ToolMode | None = None  # a chat with tools: its answer may be tool calls
-        self.echo = ""  # a completion with `echo`: its prompt, which each choice's text starts with
+        self.echoes: list[str] = []  # a completion with `echo`: per choice, the prompt its text starts with
+        self.n = 1  # choices per prompt (a completion may have several prompts)
+        self.scores_only = False  # a completion with max_tokens 0: the prompt echoed, the one token run dropped
         self.grammar_field: str | None = None  # the request field its grammar came from (errors name it)
         self._offsets: dict[int, int] = {}  # a streamed completion's text_offset so far, per choice
 
@@ -599,21 +649,31 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
 
     def complete(self, *results: GenerationResult) -> dict:
-        """The response of one or more choices (the results in choice order)."""
+        """The response of one or more choices (the results in choice order: n per prompt)."""
         obj = "chat.completion" if self.chat else "text_completion"
+        if self.scores_only:
+            results = tuple(prompt_only(result) for result in results)
         choices = [self._choice(result, index) for index, result in enumerate(results)]
-        return {**self._head(obj), "choices": choices, "usage": usage(*results)}
+        return {**self._head(obj), "choices": choices, "usage": self.usage(results)}
+
+    def usage(self, results: Sequence[GenerationResult]) -> dict[str, int]:
+        """Each prompt counted once (its n choices share it), every choice's tokens."""
+        counts = [usage(*results[i : i + self.n]) for i in range(0, len(results), self.n)]
+        return {key: sum(count[key] for count in counts) for key in counts[0]}
+
+    def echo(self, index: int) -> str:
+        return self.echoes[index] if self.echoes else ""
 
     def _choice(self, result: GenerationResult, index: int) -> dict:
         if self.chat:
             choice = {"index": index, "message": {"role": "assistant", "content": result.text}}
         else:
-            choice = {"index": index, "text": self.echo + result.text}
+            choice = {"index": index, "text": self.echo(index) + result.text}
         logprobs = None
         if self.decode is not None and self.chat:
             logprobs = chat_logprobs(result, self.decode, self.top_n)
         elif self.decode is not None:
-            logprobs = echoed_logprobs(result, self.decode, self.top_n, self.echo)
+            logprobs = echoed_logprobs(result, self.decode, self.top_n, self.echo(index))
         choice.update(logprobs=logprobs, finish_reason=finish_reason(result))
         content, calls = self.tools.answer(result.text) if self.chat and self.tools is not None else (None, None)
         if calls:
@@ -635,7 +695,7 @@ class Shape:
         """What a streamed choice starts with: a chat's role; a completion's echoed prompt."""
         if self.chat:
             return [self.chunk({"role": "assistant", "content": ""}, None, index)]
-        return [self.chunk(self.echo, None, index)] if self.echo else []
+        return [self.chunk(self.echo(index), None, index)] if self.echo(index) else []
 
     def piece(self, piece: Piece, index: int) -> dict:
         """The chunk of a streamed delta, with the logprobs of the tokens whose text it carries."""

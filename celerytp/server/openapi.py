@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from celerytp.server.schemas import ChatRequest, CompletionRequest
+from celerytp.server.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 REFS = "#/components/schemas/{model}"
 
@@ -41,5 +41,7 @@ def with_request_bodies(schema: dict[str, Any], admin_load: dict[str, Any]) -> d
 
     body("/v1/completions", model_ref(CompletionRequest))
     body("/v1/chat/completions", model_ref(ChatRequest))
+    body("/tokenize", model_ref(TokenizeRequest))
+    body("/detokenize", model_ref(DetokenizeRequest))
     body("/admin/models", admin_load)
     return schema

@@ -5,7 +5,7 @@ A bad body is refused as CeleryTPError(bad_request) naming the field, whichever 
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -137,36 +137,89 @@ class SamplingFields(BaseModel):
         }
 
 
+MAX_PROMPTS = 64  # prompts in one completion request (each of its `n` choices is a row)
+TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
+
+
 class CompletionRequest(SamplingFields):
+    """A text completion: `prompt` is a text, token ids, or a list of either (a batch: the
+    choices of prompt i are i * n .. i * n + n - 1). `max_tokens` 0 with `echo` scores the prompt
+    only (its logprobs, as lm-evaluation-harness asks for log-likelihoods)."""
+
     model: str
-    prompt: str | list[str]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    max_tokens: int | None = _strict(ge=0)
     logprobs: int | None = _strict(ge=0, le=20)
     echo: bool = _strict(False)
     response_format: ResponseFormat | None = None  # as for chat (server/tools.py)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str]) -> str:
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ValueError("exactly one prompt is supported")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("a non-empty string is required")
+    def _prompts(cls, prompt: Any) -> Any:
+        prompts = cls.batch(prompt)
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"1 to {MAX_PROMPTS} prompts are taken, got {len(prompts)}")
+        if not all(prompts):
+            raise ValueError("a non-empty string or a non-empty list of token ids is required")
         return prompt
+
+    @staticmethod
+    def batch(prompt: Any) -> list[str | list[int]]:
+        """The prompts of a `prompt` field: one text or one list of token ids, or a list of them."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            return [prompt]
+        return list(prompt)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return self.batch(self.prompt)
 
     @model_validator(mode="after")
     def _echo_logprobs_not_streamed(self) -> CompletionRequest:
         if self.stream and self.echo and self.logprobs:  # the prompt's entries come with the result only
             raise ValueError("field 'echo': not with \"logprobs\" in a stream (the prompt tokens' "
                              "log-probabilities are listed by the non-streamed response)")
+        if self.max_tokens == 0 and (not self.echo or self.stream):
+            raise ValueError("field 'max_tokens': 0 only with \"echo\": true and not streamed (the prompt "
+                             "scored, nothing generated)")
         return self
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0: the prompt is echoed (and scored), no token is generated."""
+        return self.max_tokens == 0
 
     def options(self) -> dict[str, Any]:
         # echoed with logprobs, the prompt's tokens are listed too (OpenAI, vLLM)
         prompt_logprobs = self.logprobs if self.echo and self.logprobs else None
-        return {**super().options(), "prompt": self.prompt, "logprobs": self.logprobs or None,
-                "prompt_logprobs": prompt_logprobs}
+        options = {**super().options(), "prompt": self.prompts[0], "logprobs": self.logprobs or None,
+                   "prompt_logprobs": prompt_logprobs}
+        if self.scores_only:  # the ranks run at least one step: its token is dropped from the answer
+            options["max_tokens"] = 1
+        return options
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: `prompt` or a chat's `messages`, tokenized as a completion or chat would feed them."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = _strict()
+    prompt: str | None = _strict()
+    messages: list[Message] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("field 'prompt': give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = _strict()
+    tokens: TokenIds = Field(max_length=1 << 17)
 
 
 # ---- structured output and tools (server/tools.py) ---------------------------------------
@@ -284,6 +337,8 @@ def parse(model: type[Request], body: Any) -> Request:
         message = error["msg"].removeprefix("Value error, ")
         if error["loc"][:1] == ("stop",):
             field, message = "stop", "a string or a list of at most 4 strings is required"
+        elif error["loc"][:1] == ("prompt",) and model is CompletionRequest and error["type"] != "value_error":
+            field, message = "prompt", "a string, a list of token ids, or a list of either is required"
         if error["type"] == "extra_forbidden":
             message = "not a field this server knows or supports (docs/serving.md lists them); leave it out"
         elif error["type"] == "finite_number":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celerytp.client.generation import GenerationResult, TokenStream
+from celerytp.client.generation import GenerationResult, TokenStream, check_prompt_text, prompt_ids
 from celerytp.client.leader import Leader
 from celerytp.client.registry import replicas
 from celerytp.core.errors import CeleryTPError, ErrorKind
@@ -14,6 +14,7 @@ from celerytp.core.liveness import read_owners
 from celerytp.core.redis_client import broker_errors
 from celerytp.core.secrets import clipped
 from celerytp.core.tokenizer import load_tokenizer
+from celerytp.core.validation import check_tokens
 from celerytp.server.limits import RequestLimits
 from celerytp.server.metrics import Metrics, record_error, record_served, watch_cluster
 
@@ -83,6 +84,19 @@ class Service:
             raise CeleryTPError(ErrorKind.MODEL_NOT_LOADED,
                                 f"model {clipped(name)!r} is not loaded; loaded: {sorted(models)}")
         return name
+
+    def tokenize(self, model_id: str, prompt: str | None, messages: list[dict] | None) -> dict[str, Any]:
+        """vLLM's /tokenize answer: the ids a completion (`prompt`) or a chat (`messages`) would feed."""
+        record = self.models()[model_id]
+        check_prompt_text(prompt, messages, None, record["max_context"])  # before tokenizing
+        ids = prompt_ids(load_tokenizer(record["path"]), prompt, messages)
+        return {"count": len(ids), "max_model_len": record["max_context"], "tokens": ids}
+
+    def detokenize(self, model_id: str, tokens: list[int]) -> dict[str, str]:
+        record = self.models()[model_id]
+        if tokens:
+            check_tokens(tokens, max_context=len(tokens), vocab_size=record["vocab_size"], field="tokens")
+        return {"prompt": self.decoder(model_id)(tokens)}
 
     def decoder(self, model_id: str) -> Callable[[list[int]], str]:
         """Token ids -> text with the model's tokenizer (cached per path)."""
