@@ -161,3 +161,17 @@ def flower_api(flower: str, path: str, until: Callable[[dict], bool], deadline_s
             return last
         assert time.monotonic() < deadline, f"/api/{path}: {last}"
         time.sleep(0.1)
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """/metrics' samples by name and sorted labels, `model_name` left out once checked to be the
+    `model` it goes with (vLLM's label, server/metrics.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == labels.get("model"), sample
+            samples[f"{sample.name}{sorted(labels.items())}"] = sample.value
+    return samples

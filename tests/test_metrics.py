@@ -14,7 +14,7 @@ import openai
 import pytest
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import MODEL, ROOT, start_served
+from server_fixtures import MODEL, ROOT, metric_samples, start_served
 
 GROUP = "metrics"
 DASHBOARD = Path(ROOT) / "deploy" / "grafana" / "celerytp.json"
@@ -49,9 +49,7 @@ def client(served):
 def scrape(url: str) -> tuple[dict[str, str], dict[str, float]]:
     """(family name -> type, sample name with sorted labels -> value) of /metrics."""
     text = httpx.get(f"{url}/metrics").text
-    families = list(text_string_to_metric_families(text))
-    samples = {f"{s.name}{sorted(s.labels.items())}": s.value for f in families for s in f.samples}
-    return {f.name: f.type for f in families}, samples
+    return {f.name: f.type for f in text_string_to_metric_families(text)}, metric_samples(text)
 
 
 def key(name: str, **labels: str) -> str:

@@ -16,8 +16,7 @@ import openai
 import pytest
 from celery import Celery
 from celery.exceptions import TaskRevokedError
-from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import MODEL, ROOT, cli, free_port, rows_free_within, running, start_served
+from server_fixtures import MODEL, ROOT, cli, free_port, metric_samples, rows_free_within, running, start_served
 
 from celerytp.client.registry import keep_replica
 from celerytp.core.liveness import read_owners
@@ -156,9 +155,7 @@ CANCELLED = f"celerytp_finished_requests_total[('model', '{MODEL}'), ('reason', 
 
 def cancelled_count(server: str) -> float:
     """The server's count of requests that ended cancelled."""
-    text = httpx.get(f"{server}/metrics").text
-    return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
-            for s in f.samples}.get(CANCELLED, 0)
+    return metric_samples(httpx.get(f"{server}/metrics").text).get(CANCELLED, 0)
 
 
 def _counted_once_more(server: str, before: float) -> None:
@@ -316,9 +313,7 @@ def test_flower_lists_the_ranks_and_their_tasks(client, group):
 
 def test_metrics_count_requests(client, server):
     def scrape() -> dict[str, float]:
-        text = httpx.get(f"{server}/metrics").text  # no key needed
-        return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
-                for s in f.samples}
+        return metric_samples(httpx.get(f"{server}/metrics").text)  # no key needed
 
     before = scrape()
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

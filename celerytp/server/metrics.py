@@ -102,6 +102,14 @@ def _write(client: redis.Redis, model_id: str, tally: Tally, sums: dict[str, flo
         log.warning("could not count a request of %s: %s", model_id, exc)
 
 
+def with_model_name(family: Metric) -> Metric:
+    """`family` with vLLM's `model_name` label beside each `model` label, same value: vLLM's
+    dashboards then work with the metric prefix changed only."""
+    family.samples = [s._replace(labels={**s.labels, "model_name": s.labels["model"]}) if "model" in s.labels else s
+                      for s in family.samples]
+    return family
+
+
 class ServedCollector:
     """Counters and histograms of served requests, read from Redis at scrape time."""
 
@@ -114,7 +122,7 @@ class ServedCollector:
         except redis.RedisError as exc:  # Redis down: the scrape shows the rest (and celerytp_rank_up goes missing)
             log.warning("metrics: cannot read the request counters from Redis: %s", exc)
             return
-        yield from families
+        yield from map(with_model_name, families)
 
     def _families(self, client: redis.Redis) -> Iterable[Any]:
         models = sorted(m.decode() for m in client.smembers(served_models_key()))
@@ -168,7 +176,7 @@ class _ReadFromRedis:
         except redis.RedisError as exc:
             log.warning("metrics: cannot read %s from Redis: %s", self.reading, exc)
             return
-        yield from families
+        yield from map(with_model_name, families)
 
     def _families(self, client: redis.Redis) -> Iterable[Metric]:
         raise NotImplementedError
