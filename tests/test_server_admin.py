@@ -254,12 +254,13 @@ def test_schema_driven_fuzzing_finds_no_5xx_and_no_stall(served):
             if isinstance(case.body, dict) and operation.path.startswith("/v1/"):
                 case.body["model"] = MODEL  # past the model lookup (other names get their 404 in a millisecond)
                 # the valid ones generate: keep them short
-                length = "max_completion_tokens" if "max_completion_tokens" in case.body else "max_tokens"
+                lengths = [name for name in ("max_completion_tokens", "max_output_tokens") if name in case.body]
+                length = lengths[0] if lengths else "max_output_tokens" if "responses" in operation.path else "max_tokens"
                 given = case.body.get(length)
                 case.body[length] = min(given, 4) if isinstance(given, int) and not isinstance(given, bool) else 4
                 if isinstance(case.body.get("n"), int):
                     case.body["n"] = min(case.body["n"], 2)
-                for name in ("prompt", "messages"):  # short prompts (long ones: test_server_units.py)
+                for name in ("prompt", "messages", "input", "instructions"):  # short (long ones: test_server_units.py)
                     if name in case.body:
                         case.body[name] = _clip_strings(case.body[name])
             started = time.monotonic()

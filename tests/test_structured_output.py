@@ -507,3 +507,91 @@ def test_a_schema_that_recurses_before_any_value_is_refused_at_once(schema, loop
     problem = check_grammar({"json_schema": schema})
     assert time.monotonic() - started < 1.0
     assert (problem is not None and "refers back to itself" in problem) == loops, problem
+
+
+# ---- the Responses API (server/responses.py) -----------------------------------------------
+
+
+def test_responses_answer_as_the_chat_does_and_follow_up_by_id(client, served):
+    """A text response is the chat completion of the same conversation (greedy: the same text);
+    `previous_response_id` continues it, the earlier instructions left behind; a response not
+    stored cannot be named."""
+    hello = client.responses.create(model=MODEL, input="Say hello.", instructions="Be brief.", max_output_tokens=12,
+                                    temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}])
+    assert hello.id.startswith("resp_") and hello.object == "response"
+    assert hello.output_text == chat.choices[0].message.content and hello.output[0].type == "message"
+    assert hello.usage.input_tokens == chat.usage.prompt_tokens
+    assert hello.usage.output_tokens == chat.usage.completion_tokens
+    assert hello.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+    more = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Again, louder."}]}], previous_response_id=hello.id, max_output_tokens=12,
+        temperature=0)
+    again = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "Say hello."}, {"role": "assistant", "content": hello.output_text},
+        {"role": "user", "content": "Again, louder."}])
+    assert more.output_text == again.choices[0].message.content and more.previous_response_id == hello.id
+
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id=unstored.id)
+    assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_responses_structured_output_and_function_calls(client):
+    person = client.responses.create(model=MODEL, input="Invent a person.", max_output_tokens=80, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                      "strict": True}})
+    matches_person(json.loads(person.output_text))
+    weather = {"type": "function", **WEATHER["function"]}
+    called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[weather],
+                                     tool_choice="required", max_output_tokens=80, temperature=0)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" and c.call_id.startswith("call_") for c in calls)
+    assert all(set(json.loads(c.arguments)) == {"city", "unit"} for c in calls)
+    answered = client.responses.create(model=MODEL, previous_response_id=called.id, max_output_tokens=20,
+                                       tools=[weather], temperature=0, input=[
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"celsius": 21}'}])
+    assert answered.output and answered.status in ("completed", "incomplete")
+
+
+def test_responses_stream_the_semantic_events(client):
+    def events(max_output_tokens: int = 12, **fields) -> list:
+        return list(client.responses.create(model=MODEL, stream=True, max_output_tokens=max_output_tokens,
+                                            temperature=0, **fields))
+
+    text = events(input="Say hello.")
+    kinds = [e.type for e in text]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in text] == list(range(len(text)))
+    deltas = "".join(e.delta for e in text if e.type == "response.output_text.delta")
+    assert deltas and deltas == text[-1].response.output_text
+    assert deltas == client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=12,
+                                             temperature=0).output_text
+    weather = {"type": "function", **WEATHER["function"]}
+    called = events(80, input="What is the weather in Paris?", tools=[weather], tool_choice="required")
+    arguments = [e for e in called if e.type == "response.function_call_arguments.done"]
+    assert arguments and all(set(json.loads(e.arguments)) == {"city", "unit"} for e in arguments)
+    assert called[-1].type == "response.completed"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                             {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
+     "input[0].content[1]"),
+    ({"input": "Hi", "max_output_tokens": "5"}, "max_output_tokens"),
+    ({"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": [{"type": "file_search_call"}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": "Hi", "instructions": "Be brief.", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+     "tools.0.parameters"),
+])
+def test_responses_refuse_what_they_cannot_take_by_name(served, body, param):
+    refused = httpx.post(f"{served.url}/v1/responses", json={"model": MODEL, **body})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

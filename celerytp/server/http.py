@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from celerytp.client.generation import GenerationResult, Piece, TokenStream
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import clipped
-from celerytp.server import tools
+from celerytp.server import responses, tools
 from celerytp.server.errors import (
     HTTPProblem,
     celerytp_response,
@@ -43,6 +43,7 @@ from celerytp.server.errors import (
 )
 from celerytp.server.logprobs import Decode, chat_logprobs, completion_logprobs, echoed_logprobs, text_length
 from celerytp.server.openapi import admin_load_schema, with_request_bodies
+from celerytp.server.responses import ResponsesRequest
 from celerytp.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -205,7 +206,9 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
             metrics.chord_latency.labels("unload").observe(time.perf_counter() - started)
         return {"id": model_id, "object": "model", "deleted": True}
 
-    async def answer(request: Request, body: SamplingFields, chat: bool) -> Response:
+    async def begin(request: Request, body: SamplingFields, chat: bool) -> tuple[Shape, list[dict[str, Any]]]:
+        """What a request will run: its response's shape (model, tools, echo) and the leader
+        options of each of its rows (choices, and prompts of a completion batch)."""
         service.limits.check(body)
         model_id = await run_in_threadpool(service.resolve, body.model)
         request_id = uuid.uuid4().hex
@@ -223,12 +226,37 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
             texts = await run_in_threadpool(echo_texts, service, model_id, prompts)
             shape.echoes = [text for text in texts for _ in range(body.n)]
         shape.scores_only = isinstance(body, CompletionRequest) and body.scores_only
+        return shape, rows
+
+    async def answer(request: Request, body: SamplingFields, chat: bool) -> Response:
+        shape, rows = await begin(request, body, chat)
         if body.stream:
-            streams = await run_in_threadpool(open_streams, service, model_id, rows)  # a bad request fails here, as JSON
+            streams = await run_in_threadpool(open_streams, service, shape.model_id, rows)  # a bad request fails here
             events = sse(service, request, streams, shape, body.stream_options)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        results = await generate_choices(request, service, model_id, rows)
+        results = await generate_choices(request, service, shape.model_id, rows)
         return JSONResponse(shape.complete(*results))
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request) -> Response:
+        body = parse(ResponsesRequest, await json_body(request))
+        history = await run_in_threadpool(responses.history, service, body.previous_response_id)
+        try:
+            shape, rows = await begin(request, responses.as_chat(body, history), chat=True)
+        except CeleryTPError as exc:
+            raise responses.renamed(exc) from None
+        if shape.grammar_field == "response_format":  # an error about the grammar names the field as written
+            shape.grammar_field = request.state.grammar_field = "text.format"
+        answer = responses.Answer(body, shape.model_id, history, shape.tools)
+        if body.stream and shape.tools is None:  # text streams as it comes; tool calls are decided at the end
+            stream = await run_in_threadpool(service.stream, shape.model_id, rows[0])
+            events = responses.text_events(answer, stream, request, service)
+        else:
+            result = (await generate_choices(request, service, shape.model_id, rows))[0]
+            if not body.stream:
+                return JSONResponse(await run_in_threadpool(answer.finish, service, result))
+            events = responses.whole_events(answer, result, service)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     app.add_middleware(BodyLimit, limit=payload_limit)
     app.add_middleware(RequestContext)  # added last: outermost, so it sees (and shapes) every response

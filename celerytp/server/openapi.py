@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from celerytp.server.responses import ResponsesRequest
 from celerytp.server.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 REFS = "#/components/schemas/{model}"
@@ -43,5 +44,6 @@ def with_request_bodies(schema: dict[str, Any], admin_load: dict[str, Any]) -> d
     body("/v1/chat/completions", model_ref(ChatRequest))
     body("/tokenize", model_ref(TokenizeRequest))
     body("/detokenize", model_ref(DetokenizeRequest))
+    body("/v1/responses", model_ref(ResponsesRequest))
     body("/admin/models", admin_load)
     return schema
