@@ -8,9 +8,10 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import redis
+from celery import Celery
 
 from celerytp.client.registry import drop_replica, keep_replica
 from celerytp.client.waiting import no_worker
@@ -26,11 +27,8 @@ from celerytp.core.keys import (
     models_key,
     owner_key,
 )
-from celerytp.core.liveness import read_owners
+from celerytp.core.liveness import HeartbeatTiming, read_owners
 from celerytp.core.redis_scripts import RELEASE_IF_HOLDER, RENEW_IF_HOLDER
-
-if TYPE_CHECKING:
-    from celerytp.client.leader import Leader
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +63,32 @@ class _LockRenewal:
         self._stopped.set()
 
 
-class Healer:
-    """The healing of one Leader's group (it drives the ranks through that Leader)."""
+class GroupDriver(Protocol):
+    """What a Healer drives its group's ranks through: a Leader (client/leader.py), whose ops
+    with no healing of their own it calls."""
 
-    def __init__(self, leader: Leader):
+    group: str
+    world_size: int
+    redis: redis.Redis
+    app: Celery
+    recovery_timeout: float
+    _timing: HeartbeatTiming
+
+    def ping(self, timeout: float | None = None) -> list[Any]: ...
+
+    def init(self, comm_id: str | None = None, timeout_s: float = 60.0) -> list[Any]: ...
+
+    def _call(self, op: str, fields: dict[str, Any] | None, timeout: float) -> list[Any]: ...
+
+    def _load(self, model_id: str, fields: dict[str, Any]) -> list[Any]: ...
+
+    def _live_owners(self, op: str) -> list[bytes | None]: ...
+
+
+class Healer:
+    """The healing of one group (it drives the ranks through `leader`)."""
+
+    def __init__(self, leader: GroupDriver):
         self.leader = leader
 
     def damage(self) -> tuple[bool, list[str]]:

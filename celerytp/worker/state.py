@@ -73,6 +73,10 @@ class RankState:
         except CeleryTPError as exc:
             log.error("%s", exc)
             self.device = None
+        if self.device is not None and self.device.type == "cuda":
+            # this rank's GPU for everything that names none: NCCL's communicator, streams, the
+            # caching allocator (without it all ranks of a host would start on GPU 0)
+            torch.cuda.set_device(self.device)
         threads = config.threads or max(1, (os.cpu_count() or 1) // config.world_size)
         torch.set_num_threads(threads)
 
