@@ -5,7 +5,8 @@ Run: python benchmarks/faults.py [--kill-runs 10] [--stop-s 15 90]
 
 Rows (SmolLM2 float32 at TP=2 on LocalCluster; default heartbeat: TTL 4 s, refresh 1 s):
 - SIGSTOP of rank 1 for 15 s during a generation, LocalCluster's supervisor as it ships (it kills
-  a worker whose heartbeat lapsed while its process lives): serving again after SIGCONT.
+  a worker whose heartbeat lapsed while its process lives): serving again after SIGCONT (a short
+  request answered beside the resumed stream), and when that stream finished.
 - SIGSTOP of rank 1 for 90 s with a supervisor that restarts only on exit (systemd, compose):
   how soon the client hears of it, and serving again after SIGCONT.
 - SIGKILL of rank 1 during 4 streams, `--kill-runs` times: serving again after the kill, every run.
@@ -102,10 +103,11 @@ def sigstop(cluster: LocalCluster, expected: list[int], seconds: float) -> dict:
     except psutil.NoSuchProcess:
         pass  # the supervisor killed it (and started a replacement) while it was stopped
     resumed = time.monotonic()
+    done = serve_again(leader, expected)  # beside the resumed stream, as after a SIGKILL
     for t in threads:
         t.join(300)
-    done = serve_again(leader, expected)
-    return {"saw": client_saw(outcomes, at), "again": done - resumed, "lost": lost(outcomes, 1)}
+    return {"saw": client_saw(outcomes, at), "again": done - resumed, "finished": time.monotonic() - resumed,
+            "lost": lost(outcomes, 1)}
 
 
 def sigkill_during_streams(cluster: LocalCluster, expected: list[int]) -> dict:
@@ -243,7 +245,8 @@ def main() -> None:
                 rows.append((name, outcome, "the request it hit"))
         r = sigstop(cluster, expected, args.stop_s[0])
         rows.append((f"SIGSTOP rank 1 for {args.stop_s[0]:.0f} s mid-generation (supervisor kills stuck workers)",
-                     f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT", r["lost"]))
+                     f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT (the interrupted "
+                     f"stream finished after {r['finished']:.1f} s)", r["lost"]))
         runs = [sigkill_during_streams(cluster, expected) for _ in range(args.kill_runs)]
         again = [r["again"] for r in runs]
         rows.append((f"SIGKILL rank 1 during 4 streams ({args.kill_runs} runs)",
@@ -255,7 +258,8 @@ def main() -> None:
         expected = cluster.leader.generate("smol", **SHORT).token_ids
         r = sigstop(cluster, expected, args.stop_s[1])
         rows.append((f"SIGSTOP rank 1 for {args.stop_s[1]:.0f} s mid-generation (supervisor restarts on exit only)",
-                     f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT", r["lost"]))
+                     f"client: {r['saw']}; serving again {r['again']:.1f} s after SIGCONT (the interrupted "
+                     f"stream finished after {r['finished']:.1f} s)", r["lost"]))
 
     print("| fault | what the client got, recovery | lost |")
     print("|---|---|---|")

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from celerytp.client.generation import GenerationResult, TokenStream
 from celerytp.core.errors import CeleryTPError
+from celerytp.core.redis_client import broker_errors
 from celerytp.core.secrets import clipped
 from celerytp.core.validation import bad_request
 from celerytp.server import tools
@@ -100,6 +101,7 @@ class ResponsesRequest(BaseModel):
 
 # ---- the request as a chat -----------------------------------------------------------------
 
+@broker_errors
 def history(service: Any, previous_id: str | None) -> list[dict[str, Any]]:
     """The conversation a stored response ended with (its input and its answer); [] for none."""
     if previous_id is None:
@@ -252,6 +254,7 @@ class Answer:
             self.store(service, output)
         return self.response("completed", output, result)
 
+    @broker_errors
     def store(self, service: Any, output: list[dict[str, Any]]) -> None:
         """Keep the conversation (without `instructions`, which a follow-up does not inherit)."""
         messages = [*self.earlier, *input_messages(self.body.input)]
