@@ -25,6 +25,7 @@ PACK_ENV = "CELERYTP_PACK_LINEARS"
 KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 SHM_ENV = "CELERYTP_SHM"
 ALLOW_SLOW_HALF_ENV = "CELERYTP_ALLOW_SLOW_HALF"
+DEVICE_PATH_ENV = "CELERYTP_DEVICE_PATH_ON_CPU"
 SWITCHES = {
     COMPILE_ENV: ("auto", "1", "0"),
     INVARIANT_ENV: ("1", "0"),
@@ -32,6 +33,7 @@ SWITCHES = {
     KERNEL_ENV: ("auto", "dequant", "int8pack"),
     SHM_ENV: ("1", "0"),
     ALLOW_SLOW_HALF_ENV: ("0", "1"),
+    DEVICE_PATH_ENV: ("0", "1"),
 }
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

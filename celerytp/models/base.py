@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.switches import INVARIANT_ENV, switch
+from celerytp.core.switches import DEVICE_PATH_ENV, INVARIANT_ENV, switch
 from celerytp.distributed.tp import TPContext
 from celerytp.layers import packed_linear
 from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket
@@ -19,6 +19,12 @@ from celerytp.models.config import ModelConfig
 from celerytp.quant.formats import QuantPlan
 
 Progress = Callable[[int, int, str], None]
+
+
+def takes_device_path(device: torch.device) -> bool:
+    """Whether a model on `device` takes the decisions made for GPUs (shape buckets): on CUDA,
+    and on a CPU with CELERYTP_DEVICE_PATH_ON_CPU=1, so that CI runs that path."""
+    return device.type == "cuda" or switch(DEVICE_PATH_ENV) == "1"
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,9 @@ class CausalLM(nn.Module):
         self.step_row = options.max_batch  # step mode's own row, beside the served rows
         self.cache_lens = [0] * cache_rows(options)  # tokens cached per row
         # Decode pads the batch width and the keys read to powers of two (CacheSlots.decode), so
-        # its shapes come from a small set: set where each new shape costs (CUDA graphs).
-        self.decode_buckets = False
+        # its shapes come from a small set: on the device path, where each new shape costs (a
+        # CUDA graph to record, a cuDNN attention plan to build), eager or compiled.
+        self.decode_buckets = takes_device_path(options.device)
         # Decode always gives attention a mask (CacheSlots.decode), even when no row is ragged:
         # set by compiled decode, whose graph would otherwise differ with and without one.
         self.decode_masked = False

@@ -121,7 +121,8 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
     decoder.decode_runs = [partial(run_compiled, step, run) for run in runs]
     # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
-    model.decode_buckets, model.decode_masked = graphs, True
+    eager_buckets = model.decode_buckets  # the device path's (models/base.py `takes_device_path`)
+    model.decode_buckets, model.decode_masked = graphs or eager_buckets, True
     widths = sorted({min(bucket(w), model.max_batch) for w in range(1, model.max_batch + 1)}) if graphs else (1, 2)
     # Warm-up rows sit a few positions in: a graph traced with 1 key would hold for 1 key only.
     position = min(WARM_UP_POSITION, model.max_context - 1)
@@ -135,7 +136,7 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
     except Exception as exc:  # noqa: BLE001 - any compiler failure: run eagerly, as without the switch
         log.warning("%s: compiling decode failed, decoding eagerly: %s: %s", COMPILE_ENV, type(exc).__name__, exc)
         decoder.decode_runs = None
-        model.decode_buckets = model.decode_masked = False
+        model.decode_buckets, model.decode_masked = eager_buckets, False
         return False
     finally:
         model.clear_cache()
