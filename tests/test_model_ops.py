@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -285,3 +286,40 @@ def test_half_precision_weights_load_only_where_they_are_not_slower(monkeypatch)
     check_half_precision(torch.bfloat16, torch.device("cuda"))  # GPUs are built for it
     monkeypatch.setenv(half_precision.ALLOW_SLOW_HALF_ENV, "1")
     check_half_precision(torch.bfloat16, cpu)
+
+
+def test_a_read_past_its_deadline_fails_the_load_on_every_rank_and_the_group_stays_up(cluster, tiny_llama):
+    """A stalled file system cannot be made here, so the deadline is made shorter than any read:
+    every rank's first read of the checkpoint runs past it (core/read_deadline.py), the load is
+    load_failed everywhere and rolled back, and the same load with the default deadline works."""
+    _, path = tiny_llama
+    leader = cluster.leader
+    with pytest.raises(CeleryTPError) as info:
+        leader.load("slow", path, read_deadline_s=1e-6)
+    assert info.value.kinds == {ErrorKind.LOAD_FAILED} and "took over 1e-06 s" in info.value.message
+    assert "slow" not in leader.models()
+    leader.load("slow", path)
+    assert leader.step("slow", [1, 2, 3], 0).token is not None
+    leader.unload("slow")
+
+
+def test_a_blocked_read_is_given_up_at_its_deadline_and_other_reads_pass_through():
+    """A read that never returns (an Event never set stands in for a stalled mount, which cannot
+    be made here) fails typed at the deadline; a read's own error and value pass through; with no
+    load running there is no deadline."""
+    import threading
+
+    from celerytp.core.read_deadline import read_deadline, within
+
+    stalled = threading.Event()
+    started = time.monotonic()
+    with read_deadline(0.2), pytest.raises(CeleryTPError) as info:
+        within("model.safetensors", lambda: stalled.wait(30))
+    assert 0.2 <= time.monotonic() - started < 2 and info.value.kind is ErrorKind.LOAD_FAILED
+    assert info.value.message.startswith("reading model.safetensors took over 0.2 s")
+    stalled.set()  # the helper thread ends when its read does
+    with read_deadline(5):
+        assert within("x", lambda: 7) == 7
+        with pytest.raises(KeyError):
+            within("x", lambda: {}["missing"])
+    assert within("x", threading.get_ident) == threading.get_ident()  # no deadline: in this thread

@@ -29,6 +29,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind, RankFailure
 from celerytp.core.keys import comm_key, loop_key, loop_stats_key, members_key, owner_key, queue_key
 from celerytp.core.liveness import HeartbeatTiming, RankWatch, read_owners
 from celerytp.core.model_files import default_model_path
+from celerytp.core.read_deadline import DEFAULT_READ_DEADLINE_S
 from celerytp.core.redis_client import broker_errors, connect
 from celerytp.core.redis_scripts import RELEASE_IF_HOLDER
 from celerytp.core.registry import model_record
@@ -139,6 +140,7 @@ class Leader:
         prefill_budget: int = 256,
         idle_s: float = 1.0,
         max_queue: int = 256,
+        read_deadline_s: float = DEFAULT_READ_DEADLINE_S,
     ) -> list[p.Loaded]:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
 
@@ -147,7 +149,8 @@ class Leader:
         stored in `kv_dtype` (default: the model's dtype; "bfloat16" halves a float32 cache),
         `prefill_budget` prompt tokens run per step beside the decoding rows, a serving loop
         ends `idle_s` after its last request, and past `max_queue` waiting requests a new one
-        is refused as `overloaded`.
+        is refused as `overloaded`. A read of the model's files that takes over `read_deadline_s`
+        (a stalled file system) fails the load, rolled back on every rank.
         """
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'max_queue': an integer >= 1 is required, got {max_queue!r}")
@@ -155,6 +158,7 @@ class Leader:
         fields = {
             "path": path, "dtype": dtype, "max_context": max_context, "max_batch": max_batch, "quant": quant,
             "kv_cache_bytes": kv_cache_bytes, "kv_dtype": kv_dtype, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
+            "read_deadline_s": read_deadline_s,
         }
         self._ensure_group()
         return self._load(model_id, fields, progress, timeout)

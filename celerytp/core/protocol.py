@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.read_deadline import DEFAULT_READ_DEADLINE_S
 
 
 class Message(BaseModel):
@@ -77,6 +78,9 @@ class LoadRequest(Request):
     prefill_budget: Annotated[int, Field(ge=1, le=1 << 16)] = 256  # prompt tokens per serving step
     idle_s: Annotated[float, Field(ge=0.01, le=600)] = 1.0  # a serving loop with no work ends after this
     max_queue: Annotated[int, Field(ge=1, le=1 << 20)] = 256  # leaders refuse requests past this many queued
+    # one read of a model file (a tensor slice, a header, a small file) may take this long, or the
+    # load fails (core/read_deadline.py)
+    read_deadline_s: Annotated[float, Field(gt=0, le=3600)] = DEFAULT_READ_DEADLINE_S
 
 
 class StepRequest(Request):

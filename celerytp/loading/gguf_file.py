@@ -23,6 +23,7 @@ import numpy as np
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.gguf_metadata import check_gguf_layout
 from celerytp.core.model_files import open_regular
+from celerytp.core.read_deadline import within
 from celerytp.loading.checkpoint import Checkpoint, TensorSource
 from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
@@ -79,8 +80,9 @@ def open_gguf_reader(path: str | Path) -> gguf.GGUFReader:
             if os.fstat(file.fileno()).st_size == 0:
                 raise ValueError("the file is empty")
             with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                check_gguf_layout(data, gguf.GGML_QUANT_SIZES, path)
-            return _reader_class()(file)  # np.memmap maps the open file (its own duplicate descriptor)
+                within(f"{Path(path).name}'s header", lambda: check_gguf_layout(data, gguf.GGML_QUANT_SIZES, path))
+            # np.memmap maps the open file (its own duplicate descriptor)
+            return within(f"{Path(path).name}'s header", lambda: _reader_class()(file))
         except CeleryTPError:
             raise
         except Exception as exc:  # the reader raises ValueError/KeyError/struct errors on junk

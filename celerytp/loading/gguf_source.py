@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.read_deadline import within
 from celerytp.loading.checkpoint import Range, ReadRecord, TensorSource
 from celerytp.quant.blocks import dequantize_blocks
 
@@ -70,7 +71,7 @@ class GGUFSource(TensorSource):
         part = raw[rows[0] : rows[1]]
         if cols is not None:
             part = part[:, slice(*self._byte_range(cols))]
-        return np.array(part, copy=True)
+        return within(self.name, lambda: np.array(part, copy=True))
 
     def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
         # Copy just this slice out of the memory map (widened to whole blocks), dequantize it alone.

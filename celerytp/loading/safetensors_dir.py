@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.model_files import check_model_directory, open_regular, read_json_object
+from celerytp.core.read_deadline import within
 from celerytp.loading.checkpoint import Checkpoint, Range, ReadRecord, TensorSource
 
 SINGLE_FILE = "model.safetensors"
@@ -26,8 +27,8 @@ class SafetensorsSource(TensorSource):
 
     def _read(self, rows: Range, cols: Range | None) -> torch.Tensor:
         if cols is None:
-            return self._slice[rows[0] : rows[1]]
-        return self._slice[rows[0] : rows[1], cols[0] : cols[1]]
+            return within(self.name, lambda: self._slice[rows[0] : rows[1]])
+        return within(self.name, lambda: self._slice[rows[0] : rows[1], cols[0] : cols[1]])
 
 
 class SafetensorsCheckpoint(Checkpoint):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -36,8 +37,11 @@ def load_model(
     quant: str | None = None,
     kv_cache_bytes: int | None = None,
     kv_dtype: torch.dtype | None = None,
+    prepare: bool = True,
 ) -> CausalLM:
-    """Load this rank's shard of the model at `path` (HF directory or .gguf file).
+    """Load this rank's shard of the model at `path` (HF directory or .gguf file), and with
+    `prepare`, make it ready to decode (`prepare_decode`; a rank worker calls that itself once
+    every rank has read its shard, since compiling decode runs collectives).
 
     Raises CeleryTPError(ErrorKind.UNSUPPORTED_ARCH) for paths and architectures we cannot run and
     CeleryTPError(ErrorKind.LOAD_FAILED) for broken checkpoints or impossible splits. `quant` names the
@@ -60,12 +64,17 @@ def load_model(
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
     model.eval()
-    compiled = compile_requested(model) and compile_decode(  # now, not in the first request's step
-        model, None if progress is None else lambda what: progress(tensors, tensors, what)
-    )
+    if prepare:
+        prepare_decode(model, None if progress is None else lambda what: progress(tensors, tensors, what))
+    return model
+
+
+def prepare_decode(model: CausalLM, progress: Callable[[str], None] | None = None) -> None:
+    """Compile decode where asked (now, not in the first request's step: a warm-up decode, whose
+    collectives every rank must meet) and pack the float linears for oneDNN."""
+    compiled = compile_requested(model) and compile_decode(model, progress)
     # After compiling: the layers compiled decode traces keep their plain weights (packed_linear.py).
     pack_linears(model, exclude=model.model.layers if compiled else None)
-    return model
 
 
 def build_model(

@@ -13,12 +13,14 @@ from celerytp.core import protocol as p
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import load_progress_key
 from celerytp.core.model_files import default_model_path
+from celerytp.core.read_deadline import read_deadline
 from celerytp.core.registry import LOAD_FIELDS, model_record
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.tokenizer import Tokenizer, load_tokenizer
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, refuse_step_penalties, sampling_params
 from celerytp.models import load_model
 from celerytp.models.half_precision import check_half_precision
+from celerytp.models.loader import prepare_decode
 from celerytp.quant.plan import quant_summary
 from celerytp.worker.heap import mapped_weights, release_memory
 from celerytp.worker.loaded_model import LoadedModel
@@ -75,8 +77,14 @@ class ProgressReporter:
         self._rank = str(state.rank)
         self._last = 0.0
         self._logged_tenth = -1
+        self._total = 1
+
+    def stage(self, name: str) -> None:
+        """A step after the tensors (compiling decode): the bar full, the step named."""
+        self(self._total, self._total, name)
 
     def __call__(self, done: int, total: int, name: str) -> None:
+        self._total = total
         now = time.monotonic()
         if done == total or now - self._last > 0.2:
             self._last = now
@@ -120,40 +128,62 @@ def _has_tokenizer_files(path: Path) -> bool:
     return path.is_file() or any((path / name).exists() for name in _TOKENIZER_FILES) or any(path.glob("*.gguf"))
 
 
+def _load_failure(request: p.LoadRequest, exc: Exception) -> CeleryTPError:
+    if isinstance(exc, CeleryTPError):
+        return exc
+    log.error("load of %s failed", request.model_id, exc_info=exc)
+    return CeleryTPError(ErrorKind.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+
+
+def _agree(state: RankState, failure: CeleryTPError | None) -> None:
+    """One agreement of every rank on the control group: raises this rank's `failure`, or (the
+    others failed) load_failed naming theirs, or the group's own failure."""
+    try:
+        state.collective(lambda: state.control.agree(failure))
+    except CeleryTPError as exc:
+        if failure is None and exc.kind not in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
+            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"rolled back: {exc.message}") from None
+        raise
+
+
 def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     if request.model_id in state.models:
         raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
     dtype_name = request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
     started = time.monotonic()
     model, tokenizer, failure = None, None, None
+    progress = ProgressReporter(state, request.model_id)
     try:
         path = confine(request.path, state.config.model_roots)
         check_half_precision(DTYPES[dtype_name], state.device)
-        if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
-            tokenizer = serving_tokenizer(path)
-        with mapped_weights():
+        with read_deadline(request.read_deadline_s), mapped_weights():
+            if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
+                tokenizer = serving_tokenizer(path)
             model = load_model(
                 path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
                 max_context=request.max_context, max_batch=request.max_batch,
-                progress=ProgressReporter(state, request.model_id),
+                progress=progress,
                 quant=request.quant, kv_cache_bytes=request.kv_cache_bytes,
-                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None,
+                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False,
             )
-    except CeleryTPError as exc:
-        failure = exc
-    except Exception as exc:  # a broken file must not take the worker down
-        log.exception("load of %s failed", request.model_id)
-        failure = CeleryTPError(ErrorKind.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
-    state.redis.delete(load_progress_key(state.config.group, request.model_id))
-    # All ranks or none: one agreement on the control group, then every rank commits or rolls back.
+    except Exception as exc:  # noqa: BLE001 - a broken file must not take the worker down
+        failure = _load_failure(request, exc)
+    # All ranks or none: every rank read its shard before any compiles decode (its warm-up runs
+    # collectives a rank that failed would never meet), and every rank is ready before any commits.
     try:
-        state.collective(lambda: state.control.agree(failure))
-    except CeleryTPError as exc:
+        _agree(state, failure)
+        try:
+            with mapped_weights():
+                prepare_decode(model, progress.stage)
+        except Exception as exc:  # noqa: BLE001
+            failure = _load_failure(request, exc)
+        _agree(state, failure)
+    except CeleryTPError:
         del model
         release_memory()
-        if failure is None and exc.kind not in (ErrorKind.RANK_LOST, ErrorKind.TIMEOUT):
-            raise CeleryTPError(ErrorKind.LOAD_FAILED, f"rolled back: {exc.message}") from None
         raise
+    finally:
+        state.redis.delete(load_progress_key(state.config.group, request.model_id))
     config = model.config
     decode = "compiled" if getattr(model.model, "decode_runs", None) else "eager"
     record = model_record(
