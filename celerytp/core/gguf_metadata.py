@@ -20,10 +20,12 @@ import mmap
 import os
 import struct
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.model_files import open_regular
+from celerytp.core.read_deadline import within
 
 _MAGIC = b"GGUF"
 # GGUF value type -> struct format of one scalar (8: string, 9: array are handled apart).
@@ -207,9 +209,12 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         file, data = _mapped(path)
         with file, data:
-            # The metadata comes before the tensors: only its pages are read.
-            cursor, _tensor_count, count = _header(data)
-            return _key_values(cursor, count, keep=True)
+            # The metadata comes before the tensors: only its pages are read (under a load's deadline).
+            def scan() -> dict[str, Any]:
+                cursor, _tensor_count, count = _header(data)
+                return _key_values(cursor, count, keep=True)
+
+            return within(f"{Path(path).name}'s metadata", scan)
     except OSError as exc:
         raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{path}: cannot read: {exc}") from exc
     except (ValueError, struct.error, OverflowError) as exc:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as Backend
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.gguf_metadata import check_gguf_file, read_gguf_metadata
 from celerytp.core.model_files import check_model_directory, is_gguf_file, read_json_object, read_text_file
+from celerytp.core.read_deadline import within
 
 # generation_config.json keys that map onto SamplingParams fields.
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -253,7 +254,12 @@ def _transformers_tokenizer(directory: Path, kwargs: dict[str, Any]) -> tuple[Ba
             f"{directory}: no tokenizer.json nor byte-level GGUF tokenizer; reading this one needs transformers",
         ) from None
     try:
-        loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+        # transformers opens the files by name, past open_regular's check: under the load's read
+        # deadline, a FIFO swapped in meanwhile fails the load instead of blocking the rank
+        loaded = within("the tokenizer files", lambda: AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, **kwargs))
+    except CeleryTPError:
+        raise
     except Exception as exc:  # transformers raises OSError/ValueError subclasses
         raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{directory}: cannot load tokenizer: {exc}") from exc
     config = {name: str(getattr(loaded, name)) for name in _SPECIAL_NAMES if getattr(loaded, name, None)}
