@@ -54,6 +54,9 @@ def test_status_json_when_idle(cluster):
     (rank,) = group["ranks"]
     assert rank["alive"] and rank["pid"] == cluster.leader.health()[0]["pid"]
     assert rank["rss_bytes"] > 50 * 2**20 and rank["models"] == ["smol"]
+    memory, (pong,) = rank["memory"], cluster.leader.ping()  # the ping op reports the same
+    assert memory["weights"] == pong.memory["weights"] > 50 * 2**20 and memory["kv_cache"] == pong.memory["kv_cache"] > 0
+    assert 0 < memory["free"] <= memory["total"] and memory["peak"] >= rank["rss_bytes"] * 0.9
     (model,) = status["models"]
     assert model["model"] == "smol" and model["replicas"] == [GROUP] and model["queued"] == 0
     assert model["max_batch"] == 2 and model["max_context"] == 512 and "path" not in model

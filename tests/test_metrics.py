@@ -249,3 +249,16 @@ def test_normal_serving_counts_no_loop_failure(served, client):
     assert key("celerytp_serving_loop_failures_total", model=MODEL, group=GROUP, kind="rank_lost") in failures
     assert key("celerytp_serving_loop_failures_total", model=MODEL, group=GROUP, kind="internal") in failures
     assert set(failures.values()) == {0}, failures
+
+
+def test_each_ranks_memory_is_a_gauge(served):
+    """What each rank reports of its memory (its device's free and total, the weights and KV cache
+    it holds, its peak) is read at scrape time, as the ping op answers it."""
+    _, samples = scrape(served.url)
+    (pong,) = served.leader.ping()
+
+    def gauge(kind: str) -> float:
+        return samples[key("celerytp_rank_memory_bytes", group=GROUP, rank="0", kind=kind)]
+
+    assert gauge("weights") == pong.memory["weights"] > 0 and gauge("kv_cache") == pong.memory["kv_cache"] > 0
+    assert 0 < gauge("free") <= gauge("total") == pong.memory["total"] and gauge("peak") > 0

@@ -95,7 +95,7 @@ def cluster_status(leader: Any, timeout: float = 1.0) -> dict[str, Any]:
                 "rank": rank, "alive": beat is not None, "busy": busy and beat is not None,
                 "host": (beat or {}).get("host"), "pid": (beat or {}).get("pid"),
                 "device": reply.get("device", (beat or {}).get("device")),
-                "rss_bytes": reply.get("rss_bytes"), "models": reply.get("models"),
+                "rss_bytes": reply.get("rss_bytes"), "memory": reply.get("memory"), "models": reply.get("models"),
             })
         group_rows.append({
             "group": group, "world_size": len(ranks), "alive_ranks": sum(r["alive"] for r in rank_rows),
@@ -103,6 +103,13 @@ def cluster_status(leader: Any, timeout: float = 1.0) -> dict[str, Any]:
             "serving": sorted(serving.get(group, [])), "ranks": rank_rows,
         })
     return {"groups": group_rows, "models": model_rows}
+
+
+def _memory(rank: dict[str, Any]) -> list[str]:
+    """A live rank's rss, weights, KV cache and its device's free of total memory."""
+    memory = rank.get("memory") or {}
+    free = f"{_mib(memory.get('free'))} of {_mib(memory.get('total'))}" if memory else "?"
+    return [_mib(rank["rss_bytes"]), _mib(memory.get("weights")), _mib(memory.get("kv_cache")), free]
 
 
 def _mib(value: Any) -> str:
@@ -132,9 +139,10 @@ def render(status: dict[str, Any]) -> str:
          "op" if g["op_running"] else _yes(g["busy"]), ",".join(g["serving"]) or "-"]
         for g in status["groups"]])
     lines += ["", "RANKS"]
-    lines += table(["group", "rank", "alive", "busy", "host", "pid", "device", "rss", "models"], [
+    lines += table(["group", "rank", "alive", "busy", "host", "pid", "device", "rss", "weights", "kv", "device free",
+                    "models"], [
         [g["group"], r["rank"], _yes(r["alive"]), _yes(r["busy"]), r["host"], r["pid"], r["device"],
-         _mib(r["rss_bytes"]) if r["alive"] else "-", ",".join(r["models"]) if r["models"] is not None else "?"]
+         *(_memory(r) if r["alive"] else ["-"] * 4), ",".join(r["models"]) if r["models"] is not None else "?"]
         for g in status["groups"] for r in g["ranks"]])
     lines += ["", "MODELS"]
     if status["models"]:

@@ -158,6 +158,7 @@ class Pong(Reply):
     rss_bytes: int = 0
     models: dict[str, dict[str, Any]] = {}  # model_id -> the load request that loaded it here
     group_broken: str | None = None  # why the process group broke while this worker lives (heal re-forms it)
+    memory: dict[str, int] = {}  # bytes: free, total (the device's), weights, kv_cache, peak (worker/memory.py)
 
 
 class InitOk(Reply):

@@ -273,6 +273,29 @@ class LoopFailures(_ReadFromRedis):
         yield family
 
 
+class RankMemory:
+    """celerytp_rank_memory_bytes{group, rank, kind}: each live rank's memory as it reports it at
+    scrape time (worker/memory.py): its device's free and total, its models' weights and KV
+    cache, and its peak."""
+
+    def __init__(self, group: str, statuses: Callable[[], list[dict[str, Any]]]):
+        self.group = group
+        self._statuses = statuses
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("celerytp_rank_memory_bytes", "a rank's memory by kind: free, total (its "
+                                   "device's), weights, kv_cache, peak", labels=["group", "rank", "kind"])
+        try:
+            statuses = self._statuses()
+        except Exception as exc:  # noqa: BLE001 - Redis or the broker down: the scrape shows the rest
+            log.warning("metrics: cannot ask the ranks for their memory: %s", exc)
+            statuses = []
+        for status in sorted(statuses, key=lambda s: s["rank"]):
+            for kind, value in sorted((status.get("memory") or {}).items()):
+                family.add_metric([self.group, str(status["rank"]), kind], value)
+        yield family
+
+
 class Metrics:
     """The server's registry (not the process-global one: several servers in one process stay apart)."""
 

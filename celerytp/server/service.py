@@ -16,7 +16,7 @@ from celerytp.core.secrets import clipped
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.core.validation import check_tokens
 from celerytp.server.limits import RequestLimits
-from celerytp.server.metrics import Metrics, record_error, record_served, watch_cluster
+from celerytp.server.metrics import Metrics, RankMemory, record_error, record_served, watch_cluster
 
 
 def error_code(kind: ErrorKind) -> str:
@@ -25,19 +25,24 @@ def error_code(kind: ErrorKind) -> str:
     return "model_not_found" if kind is ErrorKind.MODEL_NOT_LOADED else str(kind)
 
 
-def held_by_ranks(leader: Leader, timeout: float = 1.0) -> dict[int, set[str]]:
-    """The models each live rank holds now, asked of the rank workers themselves (the
-    `celerytp_status` remote-control command, answered even while an op runs); a rank with no
-    live worker or no answer is left out."""
+def rank_statuses(leader: Leader, timeout: float = 1.0) -> list[dict[str, Any]]:
+    """What each live rank of the leader's group says of itself (the `celerytp_status`
+    remote-control command, answered even while an op runs: its models, RSS and memory); a rank
+    with no live worker or no answer is left out."""
     beats = leader.health()
     names = [f"celerytp.{leader.group}.rank{rank}@{beat['host']}" for rank, beat in enumerate(beats) if beat]
     if not names:
-        return {}
+        return []
     answers = leader.app.control.broadcast(
         "celerytp_status", destination=names, reply=True, timeout=timeout, limit=len(names)
     ) or []  # public remote control: a list of {worker name: reply}
     replies = [reply for answer in answers for reply in answer.values() if isinstance(reply, dict)]
-    return {r["rank"]: set(r["models"]) for r in replies if r.get("group") == leader.group and "rank" in r}
+    return [r for r in replies if r.get("group") == leader.group and "rank" in r]
+
+
+def held_by_ranks(leader: Leader, timeout: float = 1.0) -> dict[int, set[str]]:
+    """The models each live rank holds now, asked of the rank workers themselves (`rank_statuses`)."""
+    return {r["rank"]: set(r["models"]) for r in rank_statuses(leader, timeout)}
 
 
 class Service:
@@ -53,6 +58,7 @@ class Service:
         self.limits = limits or RequestLimits()
         if metrics is not None:
             watch_cluster(metrics, lambda: leader.redis, leader.group, leader.world_size)
+            metrics.watch(RankMemory(leader.group, lambda: rank_statuses(leader)))
 
     def models(self) -> dict[str, dict]:
         return self.leader.models()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from celerytp.core import protocol as p
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.worker.memory import memory_report
 from celerytp.worker.state import RankState, rss_bytes
 
 
@@ -19,7 +20,7 @@ def ping(state: RankState, request: p.PingRequest) -> p.Pong:
     return p.Pong(
         rank=state.rank, world_size=state.world_size, device=device, comm_id=state.comm_id,
         rss_bytes=rss_bytes(), models={model_id: entry.record for model_id, entry in dict(state.models).items()},
-        group_broken=state.group_broken,
+        group_broken=state.group_broken, memory=memory_report(state.device, dict(state.models)),
     )
 
 

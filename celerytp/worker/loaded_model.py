@@ -23,6 +23,7 @@ class LoadedModel:
     step_draws: int = 0  # rank 0: tokens step mode's sampler has drawn (seeds its slice draws)
     row_tokens: dict[int, list[int]] = field(default_factory=dict)  # served rows: tokens in each (prefix reuse)
     tokenizer: Tokenizer | None = None  # rank 0: read and checked at load (stop strings); None: ids only
+    memory: dict[str, int] = field(default_factory=dict)  # bytes: "weights" and "kv_cache" (worker/memory.py)
 
     def reset_sequence(self) -> None:
         """Forget step mode's sequence; the served rows are not touched."""

@@ -37,6 +37,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
         return exits.REFUSED
     # Imports torch and the models: only rank workers pay for them.
     from celerytp.worker.control_thread import ControlThread
+    from celerytp.worker.memory import memory_report
     from celerytp.worker.state import RankState, rss_bytes
     from celerytp.worker.tasks import register_tasks
     from celerytp.worker.watchdog import PeerWatchdog
@@ -49,6 +50,7 @@ def run_worker(config: RankConfig, loglevel: str = "INFO") -> int:
     provide_status(lambda: {
         "group": config.group, "rank": config.rank, "world_size": config.world_size, "comm_id": state.comm_id,
         "device": str(state.device), "models": sorted(state.models), "rss_bytes": rss_bytes(),
+        "memory": memory_report(state.device, dict(state.models)),
     })
 
     @worker_shutting_down.connect(weak=False)

@@ -191,11 +191,12 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch, decode=decode,
         batch_invariant=model.batch_invariant,
     )
+    memory = model.memory_report()
     state.models[request.model_id] = LoadedModel(
-        model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer
+        model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer,
+        memory={"weights": memory["sharded_bytes"] + memory["replicated_bytes"], "kv_cache": memory["kv_cache_bytes"]},
     )
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS
-    memory = model.memory_report()
     quant_types, fallbacks = quant_summary(model)
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
