@@ -29,7 +29,7 @@ from celerytp.core.secrets import clipped
 from celerytp.core.validation import bad_request
 from celerytp.server import tools
 from celerytp.server.errors import from_celerytp
-from celerytp.server.schemas import ChatRequest, parse
+from celerytp.server.schemas import ChatRequest, parse, strict_field
 
 ROLES = ("user", "system", "developer", "assistant")
 RESPONSE_TTL_S = 3600  # how long a stored response can be named by `previous_response_id`
@@ -66,28 +66,24 @@ class NamedFunction(BaseModel):
     name: str
 
 
-def _strict(default: Any = None, **rules: Any) -> Any:
-    return Field(default, strict=True, **rules)
-
-
 class ResponsesRequest(BaseModel):
     """The fields of `POST /v1/responses` this server implements; any other is a 400 naming it."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = _strict()
+    model: str | None = strict_field()
     input: str | list[dict[str, Any]] = Field(min_length=1)
-    instructions: str | None = _strict()
-    max_output_tokens: int | None = _strict(ge=1)
-    temperature: float | None = _strict(ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = _strict(gt=0, le=1, allow_inf_nan=False)
+    instructions: str | None = strict_field()
+    max_output_tokens: int | None = strict_field(ge=1)
+    temperature: float | None = strict_field(ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = strict_field(gt=0, le=1, allow_inf_nan=False)
     text: TextOptions | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = _strict()
+    parallel_tool_calls: bool | None = strict_field()
     previous_response_id: str | None = Field(None, pattern=_ID)
-    store: bool = _strict(True)
-    stream: bool = _strict(False)
-    user: str | None = _strict()
+    store: bool = strict_field(True)
+    stream: bool = strict_field(False)
+    user: str | None = strict_field()
     metadata: dict[str, str] | None = Field(None, max_length=16)
     truncation: Literal["disabled"] | None = None
 

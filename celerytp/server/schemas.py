@@ -76,7 +76,7 @@ def _same(sent: Any, unused: Any) -> bool:
     return sent == unused
 
 
-def _strict(default: Any = None, **rules: Any) -> Any:
+def strict_field(default: Any = None, **rules: Any) -> Any:
     """A field taken as sent: no "yes" for true, no "5" for 5, no NaN or infinity for a number."""
     return Field(default, strict=True, **rules)
 
@@ -85,23 +85,23 @@ class SamplingFields(BaseModel):
     """What every generation request may say; a field it does not know is a 400 naming it."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = _strict()
-    max_tokens: int | None = _strict(ge=1)
-    temperature: float | None = _strict(ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = _strict(gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = _strict(ge=-1)  # vLLM's extension: -1 or 0 keeps every token
-    repetition_penalty: float | None = _strict(gt=0, le=100, allow_inf_nan=False)  # vLLM's extension
-    presence_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    model: str | None = strict_field()
+    max_tokens: int | None = strict_field(ge=1)
+    temperature: float | None = strict_field(ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = strict_field(gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = strict_field(ge=-1)  # vLLM's extension: -1 or 0 keeps every token
+    repetition_penalty: float | None = strict_field(gt=0, le=100, allow_inf_nan=False)  # vLLM's extension
+    presence_penalty: float | None = strict_field(ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = strict_field(ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[int, float] | None = None  # token id (a JSON string of it) -> [-100, 100]
-    min_p: float | None = _strict(ge=0, le=1, allow_inf_nan=False)  # vLLM's extension
-    n: int = _strict(1, ge=1, le=MAX_CHOICES)
-    stream: bool = _strict(False)
+    min_p: float | None = strict_field(ge=0, le=1, allow_inf_nan=False)  # vLLM's extension
+    n: int = strict_field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = strict_field(False)
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None  # (str never takes a number, strict or not)
-    seed: int | None = _strict()
-    user: str | None = _strict()
-    ignore_eos: bool = _strict(False)  # vLLM's extension: run to max_tokens (benchmarks)
+    seed: int | None = strict_field()
+    user: str | None = strict_field()
+    ignore_eos: bool = strict_field(False)  # vLLM's extension: run to max_tokens (benchmarks)
 
     @model_validator(mode="before")
     @classmethod
@@ -148,9 +148,9 @@ class CompletionRequest(SamplingFields):
 
     model: str
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    max_tokens: int | None = _strict(ge=0)
-    logprobs: int | None = _strict(ge=0, le=20)
-    echo: bool = _strict(False)
+    max_tokens: int | None = strict_field(ge=0)
+    logprobs: int | None = strict_field(ge=0, le=20)
+    echo: bool = strict_field(False)
     response_format: ResponseFormat | None = None  # as for chat (server/tools.py)
 
     @field_validator("prompt")
@@ -203,8 +203,8 @@ class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: `prompt` or a chat's `messages`, tokenized as a completion or chat would feed them."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = _strict()
-    prompt: str | None = _strict()
+    model: str | None = strict_field()
+    prompt: str | None = strict_field()
     messages: list[Message] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
@@ -218,7 +218,7 @@ class DetokenizeRequest(BaseModel):
     """vLLM's /detokenize: token ids back to text."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str | None = _strict()
+    model: str | None = strict_field()
     tokens: TokenIds = Field(max_length=1 << 17)
 
 
@@ -266,9 +266,9 @@ class NamedToolChoice(BaseModel):
 class ChatRequest(SamplingFields):
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = _strict(ge=1)
-    logprobs: bool = _strict(False)
-    top_logprobs: int | None = _strict(ge=0, le=20)
+    max_completion_tokens: int | None = strict_field(ge=1)
+    logprobs: bool = strict_field(False)
+    top_logprobs: int | None = strict_field(ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -300,7 +300,7 @@ class TaskRequest(SamplingFields):
 
     prompt: str | None = None
     messages: list[Message] | None = None
-    max_completion_tokens: int | None = _strict(ge=1)
+    max_completion_tokens: int | None = strict_field(ge=1)
     response_format: ResponseFormat | None = None  # structured output and tools as for chat (server/tools.py)
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
