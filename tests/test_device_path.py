@@ -1,8 +1,10 @@
 """The decisions a CUDA rank takes, run on a CPU (CELERYTP_DEVICE_PATH_ON_CPU=1: no GPU here).
-Decode pads its batch width and the keys it reads to powers of two, so over many steps attention
-sees a handful of shapes (a CUDA graph or a cuDNN attention plan each) instead of one per step,
-for dense, MoE and hybrid models, eager and compiled; and the tokens are the same bits as
-without the padding (the batch-invariant kernel ignores the keys past a row's own)."""
+Decode pads its batch width and the keys it reads to powers of two, and a prefill piece its
+tokens and keys, so over many steps attention sees a handful of shapes (a CUDA graph or a cuDNN
+attention plan each) instead of one per step, for dense, MoE and hybrid models, eager and
+compiled; and the tokens are the same bits as without the padding (the batch-invariant kernel
+ignores the keys past a row's own). A serving step makes the host wait for the device once on
+rank 0 and never elsewhere (worker/host_syncs.py counts it)."""
 
 from __future__ import annotations
 
@@ -68,3 +70,121 @@ def test_decode_sees_one_shape_per_bucket_and_the_same_tokens(tmp_path, monkeypa
     assert padded and len(shapes) <= len(key_buckets), sorted(shapes)
     assert {width for width, _ in shapes} == {bucket(len(rows))}  # 3 rows padded to 4
     assert tokens == plain_tokens
+
+
+SYNC_REQUESTS = [
+    dict(request_id="greedy", max_tokens=12, sampling=dict(temperature=0)),
+    dict(request_id="long", max_tokens=6, sampling=dict(temperature=0), length=21),  # three prefill chunks
+    dict(request_id="drawn", max_tokens=10, sampling=dict(temperature=0.8, seed=1)),  # over the whole vocabulary
+    dict(request_id="scored", max_tokens=8, sampling=dict(temperature=0.7, top_k=5, logprobs=2)),
+    dict(request_id="nucleus", max_tokens=8, sampling=dict(temperature=0.9, top_p=0.8, seed=2)),  # whole logits
+    dict(request_id="prompt", max_tokens=3, sampling=dict(temperature=0), prompt_logprobs=2),
+    dict(request_id="late", max_tokens=5, sampling=dict(temperature=0), after=2),  # joins running rows
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "hybrid"])
+def test_a_serving_step_waits_for_the_device_once_on_rank_0_and_never_elsewhere(tmp_path, monkeypatch, family):
+    """Through the serving loop at TP=2 on the device path (padded decode), every step's forwards
+    and scores are counted (worker/host_syncs.py): rank 0 reads the device once, a packed copy of
+    what it samples from, other ranks never; nothing is sized by the data, built from Python data
+    on the device or copied in blocking. A step over budget fails its rank (CELERYTP_SYNC_CHECK=1),
+    and the bare loop's run with it. Greedy, drawn, top-k with logprobs, nucleus (whole logits)
+    and prompt-logprobs rows, a prompt over three prefill chunks, a row joining running ones; the
+    greedy and seeded ones give the tokens they give off the device path."""
+    from bare_loop import serve_bare
+
+    if family == "hybrid":
+        from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model
+
+        kind, kwargs, _ = HYBRID_CONFIGS["qwen3_next"]
+        hf = make_hybrid_model(kind, kwargs, seed=3)
+    else:
+        hf = make_hf_model(*FAMILIES[family], seed=3)
+    hf.save_pretrained(tmp_path / family, safe_serialization=True)
+    specs = [{key: value for key, value in dict(spec, prompt=make_prompt(hf.config.vocab_size, spec.get("length", 6),
+                                                                         seed=i)).items() if key != "length"}
+             for i, spec in enumerate(SYNC_REQUESTS)]
+    monkeypatch.setenv("CELERYTP_DEVICE_PATH_ON_CPU", "1")  # a CUDA rank's path (no GPU here)
+    monkeypatch.setenv("CELERYTP_SYNC_CHECK", "1")  # what this test checks
+    monkeypatch.setenv("CELERYTP_COMPILE", "0")  # the counting mode would be traced into a compiled graph
+    (run,) = serve_bare(tmp_path, tmp_path / family, 2, [[specs, []]])
+    assert all("tokens" in row for row in run["rows"].values()), run["rows"]
+    stats = run["stats"]  # rank 0's
+    waits = {key: count for key, count in stats.items() if key.startswith("waits_")}
+    assert stats["steps"] >= 12 and 0 < waits.pop("waits_host_read") <= stats["steps"]
+    # the experts' routing is read on the host (layers/moe.py: no grouped-GEMM kernel), outside the budget
+    assert waits == ({} if family == "llama" else {"waits_moe_routing": waits["waits_moe_routing"]})  # qwen3_next: MoE too
+    monkeypatch.delenv("CELERYTP_DEVICE_PATH_ON_CPU")
+    monkeypatch.delenv("CELERYTP_SYNC_CHECK")
+    (plain,) = serve_bare(tmp_path, tmp_path / family, 2, [[specs, []]])  # the same bits unpadded, copied apart
+    for spec in specs:
+        if spec["sampling"]["temperature"] == 0 or "seed" in spec["sampling"]:
+            assert run["rows"][spec["request_id"]]["tokens"] == plain["rows"][spec["request_id"]]["tokens"], spec
+
+
+def test_host_syncs_counts_what_would_make_a_gpu_wait():
+    """The counter itself, on a CPU: reads of model tensors, data-sized outputs and inputs built
+    or copied in blocking count; the same on host tensors, and non_blocking inputs, do not."""
+    from celerytp.layers.host_transfer import expected_wait, to_device, to_host
+    from celerytp.worker.host_syncs import HostSyncs
+
+    weights = torch.randn(4, 4)  # made before: the model's
+    with HostSyncs() as syncs:
+        host = torch.tensor([1, 2, 3, 0])
+        weights[host]  # a host index into a device tensor: copied in first
+        ids = to_device([1, 2, 3, 0], torch.device("cpu"))
+        rows = weights[ids]
+        rows.cpu(), rows.tolist(), int(rows[0, 0])
+        rows[rows > 0], rows.nonzero()
+        torch.tensor([1], device="cpu")
+        rows[[0, 1]]
+        free = torch.zeros(3)
+        free.tolist(), int(free[0]), (free + 1).sum().item(), free.to(torch.float64).tolist()
+        (values, index), = [to_host([rows, ids])]
+        with expected_wait("routing"):
+            rows.tolist()
+    assert dict(syncs.counts) == {"blocking_input": 2, "host_read": 4, "data_dependent": 2, "python_input": 1,
+                                  "routing": 1}, syncs.where
+    assert torch.equal(values, rows) and torch.equal(index, ids) and index.dtype == torch.long
+    assert syncs.over({"host_read": 4, "blocking_input": 2, "data_dependent": 2, "python_input": 1}) == []
+    assert syncs.over({"host_read": 4, "blocking_input": 2, "data_dependent": 2})[0].startswith("python_input: 1")
+
+
+def _prefill_shapes(path, prompts: list[list[int]], chunk: int) -> tuple[set, list[torch.Tensor]]:
+    """The (tokens, keys read) of every prefill forward of `prompts`, each prefilled in pieces of
+    `chunk` into its own row, and every piece's logits."""
+    model = load_model(path, TPContext(), max_batch=len(prompts), max_context=128)
+    seen, original, logits = set(), CacheSlots.prefill, []
+
+    def recording(*args, **kwargs) -> CacheSlots:
+        slots = original(*args, **kwargs)
+        seen.add((slots.positions.shape[1], slots.length))
+        return slots
+
+    CacheSlots.prefill = recording
+    try:
+        for row, prompt in enumerate(prompts):
+            for start in range(0, len(prompt), chunk):
+                piece = torch.tensor(prompt[start : start + chunk])
+                logits.append(model.forward_tokens(piece, start, row=row))
+    finally:
+        CacheSlots.prefill = original
+    return seen, logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_prefill_pads_its_pieces_to_buckets_and_computes_the_same_logits(tmp_path, monkeypatch, family):
+    """On the device path a prefill piece's tokens and the keys it reads are padded to powers of
+    two, so prompts of 20 lengths in pieces of 8 give attention a few shapes; every real
+    position's logits are the same bits as unpadded (the pads sit past every real key, masked)."""
+    hf = make_hf_model(*FAMILIES[family], seed=5)
+    hf.save_pretrained(tmp_path / family, safe_serialization=True)
+    prompts = [make_prompt(hf.config.vocab_size, n, seed=n) for n in range(3, 43, 2)]
+    plain_shapes, plain = _prefill_shapes(tmp_path / family, prompts, 8)
+    monkeypatch.setenv("CELERYTP_DEVICE_PATH_ON_CPU", "1")
+    shapes, padded = _prefill_shapes(tmp_path / family, prompts, 8)
+    pieces = [(min(len(p) - start, 8), start) for p in prompts for start in range(0, len(p), 8)]
+    buckets = {(bucket(n), bucket(max(start + bucket(n), 16))) for n, start in pieces}
+    assert len(plain_shapes) > 20 and shapes == buckets and len(buckets) <= 10, sorted(shapes)
+    assert all(torch.equal(a, b) for a, b in zip(plain, padded, strict=True))

@@ -11,6 +11,8 @@ that needs another value sets it itself and says why.
 | CELERYTP_QUANT_KERNEL | auto, dequant, int8pack | the kernel of ggml-format linears (layers/quantized.py) |
 | CELERYTP_SHM | 1, 0 | same-host collectives through shared memory (distributed/shm.py) |
 | CELERYTP_ALLOW_SLOW_HALF | 0, 1 | load half-precision weights where they decode slower (models/half_precision.py) |
+| CELERYTP_DEVICE_PATH_ON_CPU | 0, 1 | a CPU rank takes a CUDA rank's decisions (models/base.py `takes_device_path`) |
+| CELERYTP_SYNC_CHECK | 0, 1 | fail a serving step that makes the host wait for the device more than its budget (worker/host_syncs.py) |
 
 1 and 0 may also be written true / yes / on and false / no / off.
 """
@@ -26,6 +28,7 @@ KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 SHM_ENV = "CELERYTP_SHM"
 ALLOW_SLOW_HALF_ENV = "CELERYTP_ALLOW_SLOW_HALF"
 DEVICE_PATH_ENV = "CELERYTP_DEVICE_PATH_ON_CPU"
+SYNC_CHECK_ENV = "CELERYTP_SYNC_CHECK"
 SWITCHES = {
     COMPILE_ENV: ("auto", "1", "0"),
     INVARIANT_ENV: ("1", "0"),
@@ -34,6 +37,7 @@ SWITCHES = {
     SHM_ENV: ("1", "0"),
     ALLOW_SLOW_HALF_ENV: ("0", "1"),
     DEVICE_PATH_ENV: ("0", "1"),
+    SYNC_CHECK_ENV: ("0", "1"),
 }
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from celerytp.layers.host_transfer import to_device
+
 
 @dataclass(frozen=True)
 class CacheSlots:
@@ -22,6 +24,8 @@ class CacheSlots:
         writes: (B,) cache position each decode token is stored at (a scratch position for
             inactive rows); None for prefill.
         active: (B,) bool, decode rows that carry a real token; None = all.
+        start: the first position of a prefill's tokens, the same for every row (None for decode),
+            known on the host so that no layer reads it back from the device.
     """
 
     rows: torch.Tensor
@@ -31,27 +35,33 @@ class CacheSlots:
     first_row: int | None
     writes: torch.Tensor | None = None
     active: torch.Tensor | None = None
+    start: int | None = None
 
     @classmethod
-    def prefill(cls, row: int, offset: int, count: int, device: torch.device) -> CacheSlots:
-        """`count` tokens of one row at offset..offset+count-1 (causal within the chunk)."""
+    def prefill(cls, row: int, offset: int, count: int, device: torch.device, keys: int | None = None) -> CacheSlots:
+        """`count` tokens of one row at offset..offset+count-1 (causal within the chunk). `keys`:
+        how many cached keys attention reads (default offset + count; more, on the device path,
+        for a length from a few buckets: the ones past a query's own position are masked)."""
+        keys = offset + count if keys is None else keys
         positions = torch.arange(offset, offset + count, device=device)[None]  # (1, T)
         mask = None
-        if count > 1:  # query i sees cached keys and its own prefix: key j <= offset + i
-            mask = torch.ones(count, offset + count, dtype=torch.bool, device=device).tril(diagonal=offset)
-        rows = torch.tensor([row], device=device)
-        return cls(rows, positions, offset + count, mask, row)
+        if count > 1 or keys > offset + count:  # query i sees cached keys and its own prefix: key j <= offset + i
+            mask = torch.ones(count, keys, dtype=torch.bool, device=device).tril(diagonal=offset)
+        rows = torch.arange(row, row + 1, device=device)
+        return cls(rows, positions, keys, mask, row, start=offset)
 
     @classmethod
-    def prefill_rows(cls, rows: list[int], lengths: list[int], device: torch.device) -> CacheSlots:
-        """Several rows' prompts from position 0, padded to the longest: keys past a row's length are hidden."""
-        T = max(lengths)
+    def prefill_rows(cls, rows: list[int], lengths: list[int], device: torch.device, width: int | None = None) -> CacheSlots:
+        """Several rows' prompts from position 0, padded to the longest (or to `width`): keys past
+        a row's length are hidden."""
+        T = max(lengths) if width is None else width
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T)
-        real = torch.arange(T, device=device)[None] < torch.tensor(lengths, device=device)[:, None]  # (B, T)
+        on_device = to_device([lengths, rows], device)  # (2, B): one copy
+        real = torch.arange(T, device=device)[None] < on_device[0][:, None]  # (B, T)
         mask = (causal[None] & real[:, None, :])[:, None]  # (B, 1, T, T)
         positions = torch.arange(T, device=device)[None].expand(len(rows), T)
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        return cls(torch.tensor(rows, device=device), positions, T, mask, rows[0] if contiguous else None)
+        return cls(on_device[1], positions, T, mask, rows[0] if contiguous else None, start=0)
 
     @classmethod
     def decode(
@@ -73,8 +83,8 @@ class CacheSlots:
         ragged = masked or len(live) < len(positions) or min(live) != length - 1
         if bucketed:
             length, ragged = min(bucket(max(length, 16)), scratch + 1), True
-        pos = torch.tensor(positions, device=device)  # (R,)
-        on = torch.tensor(active, device=device)  # (R,)
+        pos, on = to_device([positions, active], device)  # (R,) each: one copy
+        on = on.bool()
         mask = None
         if ragged:
             keys = torch.arange(length, device=device)[None]  # (1, L)
@@ -154,7 +164,7 @@ class KVCache(nn.Module):
             self.k[slots.rows, :, pos] = k[:, :, 0]  # (B, nkv, hd)
             self.v[slots.rows, :, pos] = v[:, :, 0]
         else:  # prefill: every row at the same consecutive positions
-            start = int(slots.positions[0, 0])
+            start = slots.start
             rows = slots.rows if slots.first_row is None else slice(slots.first_row, slots.first_row + k.shape[0])
             self.k[rows, :, start : start + T] = k
             self.v[rows, :, start : start + T] = v

@@ -14,6 +14,7 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.host_transfer import expected_wait
 from celerytp.layers.lanewise import lanewise
 from celerytp.layers.linear import ReplicatedLinear
 from celerytp.layers.mlp import SwiGLUMLP
@@ -97,13 +98,18 @@ class RoutedExperts(nn.Module):
         that any token chose runs one matmul over all of its tokens.
         """
         N, top_k = experts.shape
+        # Which experts run, and on how many tokens, is read on the host: one wait per layer on a
+        # GPU, where a grouped-GEMM kernel could take the counts on the device (we have none).
         if N == 1:  # decode: top_k experts, one token each
-            chosen = zip(experts[0].tolist(), weights[0], strict=True)
+            with expected_wait("moe_routing"):
+                chosen = zip(experts[0].tolist(), weights[0], strict=True)
             return _combine([w.to(x.dtype) * self._expert(e, x) for e, w in chosen])
         flat = experts.reshape(-1)  # (N * top_k,)
         order = flat.argsort(stable=True)
         token = order // top_k  # token of each sorted assignment
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        bounds = torch.searchsorted(flat[order], torch.arange(self.num_experts + 1, device=flat.device))
+        with expected_wait("moe_routing"):
+            counts = bounds.diff().tolist()
         xs = x[token]  # (N * top_k, H), grouped by expert
         ys = torch.empty_like(xs)
         start = 0

@@ -12,6 +12,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.switches import DEVICE_PATH_ENV, INVARIANT_ENV, switch
 from celerytp.distributed.tp import TPContext
 from celerytp.layers import packed_linear
+from celerytp.layers.host_transfer import to_device
 from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket
 from celerytp.layers.moe import RoutedExperts
 from celerytp.loading.checkpoint import Checkpoint
@@ -87,6 +88,9 @@ class CausalLM(nn.Module):
         # its shapes come from a small set: on the device path, where each new shape costs (a
         # CUDA graph to record, a cuDNN attention plan to build), eager or compiled.
         self.decode_buckets = takes_device_path(options.device)
+        # and prefill pads its chunk and the keys it reads so too (not where padding would enter
+        # a recurrent state: hybrid models prefill one row as it comes)
+        self.prefill_buckets = takes_device_path(options.device) and self.batched_prefill
         # Decode always gives attention a mask (CacheSlots.decode), even when no row is ragged:
         # set by compiled decode, whose graph would otherwise differ with and without one.
         self.decode_masked = False
@@ -139,10 +143,14 @@ class CausalLM(nn.Module):
             raise ValueError(f"offset {offset} + {n} tokens exceeds max_context {self.max_context}")
         if offset == 0:
             self.clear_cache(row)
-        ids = tokens.to(device=self.device, dtype=torch.long)[None]  # (1, T)
-        h = self.model(ids, CacheSlots.prefill(row, offset, n, self.device))  # (1, T, D)
-        if last_only:
-            h = h[:, -1:]
+        padded, keys = n, offset + n
+        if self.prefill_buckets:  # pad positions hold junk keys past the row's own, masked until overwritten
+            padded = min(bucket(n), self.max_context - offset)
+            keys = min(bucket(max(offset + padded, 16)), self.max_context)  # decode's buckets
+            tokens = torch.cat([tokens.long(), tokens.new_zeros(padded - n, dtype=torch.long)])
+        ids = to_device(tokens.long(), self.device)[None]  # (1, T)
+        h = self.model(ids, CacheSlots.prefill(row, offset, padded, self.device, keys))  # (1, T, D)
+        h = h[:, n - 1 : n] if last_only else h[:, :n]
         logits = self.lm_head(h, gather=gather)[0].float()  # (T, V)
         self.cache_lens[row] = offset + n
         return logits
@@ -155,11 +163,12 @@ class CausalLM(nn.Module):
         lengths = [len(p) for p in prompts]
         if max(lengths) > self.max_context:
             raise ValueError(f"a prompt of {max(lengths)} tokens exceeds max_context {self.max_context}")
-        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
-        for b, prompt in enumerate(prompts):
-            ids[b, : len(prompt)] = torch.tensor(prompt)
-        h = self.model(ids.to(self.device), CacheSlots.prefill_rows(rows, lengths, self.device))  # (B, T, D)
-        last = h[torch.arange(len(prompts)), torch.tensor(lengths) - 1]  # (B, D): each row's last real token
+        width = min(bucket(max(lengths)), self.max_context) if self.prefill_buckets else max(lengths)
+        ids = [[*prompt, *[0] * (width - len(prompt))] for prompt in prompts]
+        slots = CacheSlots.prefill_rows(rows, lengths, self.device, width)
+        h = self.model(to_device(ids, self.device), slots)  # (B, T, D)
+        last = h[torch.arange(len(prompts), device=self.device), to_device([n - 1 for n in lengths], self.device)]
+        # (B, D): each row's last real token
         logits = self.lm_head(last, gather=gather).float()  # (B, V)
         for r, n in zip(rows, lengths):
             self.cache_lens[r] = n
@@ -178,12 +187,12 @@ class CausalLM(nn.Module):
         positions = self.cache_lens[: len(tokens)]
         if any(a and p >= self.max_context for p, a in zip(positions, active)):
             raise ValueError(f"a row is at max_context {self.max_context}")
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (R, 1)
+        ids = to_device(tokens, self.device)[:, None]  # (R, 1)
         slots = CacheSlots.decode(positions, active, self.max_context, self.device, bucketed=self.decode_buckets,
                                   masked=self.decode_masked)
         h = self.model(ids, slots)[:, 0]  # (R, D)
         if not all(active):
-            h = h[torch.tensor(active, device=self.device)]  # (A, D)
+            h = h.index_select(0, to_device([r for r, a in enumerate(active) if a], self.device))  # (A, D)
         logits = self.lm_head(h, gather=gather).float()  # (A, V)
         for r, a in enumerate(active):
             self.cache_lens[r] += a

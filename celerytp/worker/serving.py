@@ -27,10 +27,13 @@ from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.step_clock import per_step_us, reset, timed
 from celerytp.core.stopping import StopChecker
+from celerytp.core.switches import SYNC_CHECK_ENV, switch
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, sampling_params
 from celerytp.distributed.control import ControlGroup
+from celerytp.layers.host_transfer import to_device, to_host
 from celerytp.models import CausalLM
 from celerytp.worker.grammar import RowGrammar
+from celerytp.worker.host_syncs import HOST_READ, HostSyncs
 from celerytp.worker.sampling import (
     SLICE_DRAW,
     WHOLE,
@@ -215,6 +218,8 @@ class ServingLoop:
         self._yielding = False
         self._abort: tuple[str, str] | None = None  # rank 0's own failure, sent in the next plan
         self._admitting: list[GenSpec] = []  # rank 0: taken off the queue, not yet in a row
+        self.sync_check = switch(SYNC_CHECK_ENV) == "1"
+        self._prompt_pieces: list[tuple[Sequence, int, tuple[torch.Tensor, ...]]] = []  # rank 0: read in `_on_host`
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -243,10 +248,26 @@ class ServingLoop:
             return plan
         self.stats["steps"] += 1
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.running))
-        scores = timed("forward", lambda: self._scores(*self._forward()))
+        scores = timed("forward", lambda: self._within_sync_budget(lambda: self._scores(*self._forward())))
         if self.is_sampler and scores is not None:
             self._guarded(lambda: timed("sampling", lambda: self._sample(scores)))
         return plan
+
+    def _within_sync_budget(self, forward: Callable[[], Scores | None]) -> Scores | None:
+        """The step's forwards and scores; with CELERYTP_SYNC_CHECK=1, counted (worker/host_syncs.py,
+        totals in the stats as waits_<kind>) and failed when the host waited for the device more than once on rank 0 (its one packed
+        copy of what sampling needs) or at all elsewhere. Checked after the step's last collective."""
+        if not self.sync_check:
+            return forward()
+        with HostSyncs() as syncs:
+            scores = forward()
+        for kind, count in syncs.counts.items():
+            self.stats[f"waits_{kind}"] = self.stats.get(f"waits_{kind}", 0) + count
+        over = syncs.over({HOST_READ: 1 if self.is_sampler else 0})
+        if over:
+            raise CeleryTPError(ErrorKind.INTERNAL, f"step {self.stats['steps']} on rank {self.control.rank} "
+                                                    f"made the host wait: {'; '.join(over)}")
+        return scores
 
     def running_requests(self) -> list[GenSpec]:
         """Rank 0: every request this loop holds, in a row or on its way to one (to fail them)."""
@@ -511,17 +532,14 @@ class ServingLoop:
         if not targets:
             return
         local = local[: len(targets)]
-        at = torch.tensor(targets, device=local.device) - self.model.vocab_start
+        at = to_device(targets, local.device) - self.model.vocab_start
         inside = (at >= 0) & (at < local.shape[1])
         here = local.gather(1, at.clamp(0, local.shape[1] - 1)[:, None])  # (P, 1)
         target_logit = torch.where(inside[:, None], here, torch.zeros_like(here))
         n = seq.spec.prompt_logprobs
         values, ids, lse, extra = self.model.top_candidates(local, max(n, 1), target_logit, lse=True)
-        if self.is_sampler:
-            logprobs = (extra.sum(1)[:, 0] - lse).tolist()
-            tops = (values[:, :n] - lse[:, None]).tolist()
-            seq.prompt_logprobs += [(lp, list(zip(row_ids, row_top, strict=True)))
-                                    for lp, row_ids, row_top in zip(logprobs, ids[:, :n].tolist(), tops, strict=True)]
+        # read with the step's scores (`_on_host`), in its one copy
+        self._prompt_pieces.append((seq, n, (extra.sum(1)[:, 0] - lse, values[:, :n] - lse[:, None], ids[:, :n])))
 
     def _prefilled(self, seq: Sequence, end: int) -> None:
         self.row_tokens[seq.row].extend(seq.feed[seq.fed : end])
@@ -534,7 +552,7 @@ class ServingLoop:
         the whole logits only in a step where a row needs them (worker/sampling.py `slice_mode`).
         Every rank decides the same way, from the rows' parameters that every rank holds."""
         if local is None:
-            return None
+            return self._on_host(None)
         forced = [seq.forced.pop(0) if seq.forced else None for seq in seqs]
         # a constrained row needs its whole logits on rank 0 for its grammar's mask
         modes = [WHOLE if seq.spec.grammar is not None else slice_mode(seq.params, f is not None)
@@ -545,24 +563,44 @@ class ServingLoop:
             seqs[i].sampled += f is None
         if WHOLE in modes:
             logits, draws = self.model.gather_logits(local, extra)
-            return Scores(seqs, forced, logits=logits.cpu(), slice_draws=_cpu(draws), drawing=drawing)
+            return self._on_host(Scores(seqs, forced, drawing=drawing), logits=logits, slice_draws=draws)
         # a greedy row's top_k is moot: only sampling rows and logprobs widen the candidates
         k = max(1, *(s.params.top_k for s in seqs if not s.params.greedy), *(s.params.logprobs for s in seqs))
         # the log-sum-exp serves log-probabilities only (and costs an exp of every logit)
         values, ids, lse, draws = self.model.top_candidates(local, k, extra, lse=any(s.params.logprobs for s in seqs))
-        return Scores(seqs, forced, values=values.cpu(), ids=ids.cpu(), lse=_cpu(lse), slice_draws=_cpu(draws),
-                      drawing=drawing)
+        return self._on_host(Scores(seqs, forced, drawing=drawing), values=values, ids=ids, lse=lse, slice_draws=draws)
+
+    def _on_host(self, scores: Scores | None, **parts: torch.Tensor | None) -> Scores | None:
+        """Rank 0: what it samples from (`parts`, Scores fields) and the step's prompt
+        log-probabilities, read from the device in one copy. Other ranks read nothing."""
+        if not self.is_sampler:
+            self._prompt_pieces.clear()
+            return scores
+        named = {name: t for name, t in parts.items() if t is not None}
+        pieces = [t for _, _, piece in self._prompt_pieces for t in piece]
+        on_host = to_host([*named.values(), *pieces])
+        for name, t in zip(named, on_host):
+            setattr(scores, name, t)
+        at = len(named)
+        for seq, n, _ in self._prompt_pieces:
+            logprobs, tops, ids = (t.tolist() for t in on_host[at : at + 3])
+            at += 3
+            seq.prompt_logprobs += [(lp, list(zip(row_ids, row_top, strict=True)))
+                                    for lp, row_ids, row_top in zip(logprobs, ids, tops, strict=True)]
+        self._prompt_pieces.clear()
+        return scores
 
     def _slice_draws(self, seqs: list[Sequence], local: torch.Tensor, drawing: list[int]) -> torch.Tensor:
         """(S, 3): this rank's draw in its slice for each of the `drawing` rows (zeros elsewhere),
         seeded by the request's seed and the token's index, so a seeded request draws the same
         whatever shares its batch (worker/sampling.py `draw_in_slice`)."""
         keys = [(seqs[i].params.seed, len(seqs[i].spec.resumed) + seqs[i].sampled) for i in drawing]
-        u = slice_uniforms(keys, self.control.rank).to(local.device)
-        temperature = torch.tensor([seqs[i].params.temperature for i in drawing], device=local.device)
-        extra = local.new_zeros(len(seqs), 3)
-        extra[drawing] = draw_in_slice(local[drawing], temperature, u, self.model.vocab_start).to(extra.dtype)
-        return extra
+        temperature = torch.tensor([seqs[i].params.temperature for i in drawing])
+        u, temperature, rows = to_device(torch.stack([slice_uniforms(keys, self.control.rank), temperature,
+                                                      torch.tensor(drawing, dtype=torch.float32)]), local.device)
+        rows = rows.long()
+        draws = draw_in_slice(local.index_select(0, rows), temperature, u, self.model.vocab_start)
+        return local.new_zeros(len(seqs), 3).index_copy_(0, rows, draws.to(local.dtype))
 
     # ---- rank 0: sampling and stopping ---------------------------------------------------
 
@@ -670,10 +708,6 @@ class ServingLoop:
             reused_tokens=seq.reused, logprobs=seq.logprobs, token_gaps_s=seq.gaps, resumed=bool(seq.spec.resumed),
             prompt_logprobs=seq.prompt_logprobs,
         )
-
-
-def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.cpu()
 
 
 def _seeded(spec: GenSpec) -> bool:
