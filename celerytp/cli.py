@@ -61,6 +61,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number is required, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {value}")
+    return value
+
+
+KV_FRACTION_HELP = ("the share of each rank's free memory after the weights its KV cache may take (a CPU: of the "
+                    "host's available RAM, shared by the ranks); default 0.8")
+
+
 def checked_quant(name: str | None) -> str | None:
     """Refuse an unknown quant name now; the names live with the model stack (torch), so a
     leader-only install leaves the check to the ranks."""
@@ -276,7 +290,7 @@ def _serve(args: argparse.Namespace) -> int:
         broker=args.broker, group=args.group, api_keys=api_keys, admin_key=admin_key,
         metrics_key=metrics_key_from(args.metrics_key_file, os.environ),
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
-        frontend=not args.no_frontend, request_timeout=args.request_timeout,
+        kv_memory_fraction=args.kv_memory_fraction, frontend=not args.no_frontend, request_timeout=args.request_timeout,
         device=embedded_device_for(args), payload_limit=args.payload_limit, limits=request_limits(args),
     )
     if not args.broker:  # its own ranks start here
@@ -333,7 +347,7 @@ def _models(args: argparse.Namespace) -> int:
         model_id = args.model_id or Path(path).stem
         leader.ensure_formed()  # a new group (a replica's) forms here; a live one is used as it is
         leader.load(model_id, path, quant=checked_quant(args.quant), max_batch=args.max_batch,
-                    max_context=args.max_context, progress=True)
+                    max_context=args.max_context, kv_memory_fraction=args.kv_memory_fraction, progress=True)
         print(f"loaded {model_id}")
     elif args.action == "unload":
         if not args.model:
@@ -431,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
     serve.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together")
     serve.add_argument("--max-context", type=positive_int, default=None, help="tokens per request (default: what fits)")
+    serve.add_argument("--kv-memory-fraction", type=fraction, default=None, metavar="F",
+                       help=KV_FRACTION_HELP)
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gets 504")
     serve.add_argument("--payload-limit", type=positive_int, default=4 << 20, metavar="BYTES",
                        help="the largest request body; a larger one gets 413 before it is parsed (default 4 MiB)")
@@ -466,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--quant", default=None)
     models.add_argument("--max-batch", type=positive_int, default=16)
     models.add_argument("--max-context", type=positive_int, default=None)
+    models.add_argument("--kv-memory-fraction", type=fraction, default=None, metavar="F", help=KV_FRACTION_HELP)
     models.add_argument("--all-groups", action="store_true",
                         help="unload: from every group serving the model (default: --group only)")
     add_leader_args(models, broker_required=True)

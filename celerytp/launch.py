@@ -48,7 +48,7 @@ def ensure_model(leader: Leader, config: ServeConfig) -> None:
         leader.unload(config.model_id)
     say(f"loading {config.model_path} as {config.model_id!r} on {config.tp} rank(s)...")
     leader.load(config.model_id, config.model_path, quant=config.quant, max_batch=config.max_batch,
-                max_context=config.max_context, progress=True)
+                max_context=config.max_context, kv_memory_fraction=config.kv_memory_fraction, progress=True)
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over col
             rid, n = spec.pop("resume")
             spec["resumed"] = done.get(rid, [])[:n]
     source = Scripted(specs, cancel) if rank == 0 else None
-    stats = ServingLoop(model, control, {}, 8, 0.0, source).run()
+    loop = ServingLoop(model, control, {}, 8, 0.0, source)
+    stats = {**loop.run(), "host_waits": dict(loop.host_waits)}
     if rank == 0:
         rows = {rid: {"error": [str(f.error.kind), f.error.message]} if f.error is not None else
                 {"tokens": f.result.token_ids, "logprobs": f.result.logprobs, "finish": f.result.finish_reason,

@@ -44,6 +44,8 @@ def free_port() -> int:
                              "exceeds num_kv_heads 3")),
     (["serve", "--port", "70000"], "error: bad_request: --port must be in 1..65535, got 70000"),
     (["serve", "--device", "tpu"], "error: bad_request: --device must be one of auto, cpu, cuda, got 'tpu'"),
+    (["serve", "--kv-memory-fraction", "1.5"],
+     "error: bad_request: celerytp serve: argument --kv-memory-fraction: must be within (0, 1], got 1.5"),
     # an unreachable broker is a runtime error: exit 1 (tests/test_cli_status.py)
 ])
 def test_bad_input_is_one_line_and_exit_2(args, expected):

@@ -25,10 +25,10 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def _decode_shapes(path, rows: list[list[int]]) -> tuple[set, list[list[int]], bool]:
+def _decode_shapes(path, rows: list[list[int]]) -> tuple[set, list[list[int]], bool, set]:
     """The (batch width, keys read) of every decode step's attention over STEPS greedy steps of
     `rows` (recorded where decode makes its slots, outside any compiled graph), each row's tokens,
-    and whether the model padded its decode."""
+    whether the model padded its decode, and the shapes it says it met."""
     model = load_model(path, TPContext(), max_batch=8, max_context=128)
     seen, original = set(), CacheSlots.decode
 
@@ -47,7 +47,7 @@ def _decode_shapes(path, rows: list[list[int]]) -> tuple[set, list[list[int]], b
                 row.append(token)
     finally:
         CacheSlots.decode = original
-    return seen, tokens, model.decode_buckets
+    return seen, tokens, model.decode_buckets, model.decode_shapes
 
 
 @pytest.mark.parametrize(("family", "compiled"), [("llama", "0"), ("llama", "1"), ("qwen3_moe", "0"), ("hybrid", "0")])
@@ -62,12 +62,14 @@ def test_decode_sees_one_shape_per_bucket_and_the_same_tokens(tmp_path, monkeypa
     hf.save_pretrained(tmp_path / family, safe_serialization=True)
     rows = [make_prompt(hf.config.vocab_size, n, seed=n) for n in (5, 9, 14)]
     monkeypatch.setenv("CELERYTP_COMPILE", compiled)  # this case's decode, eager or compiled
-    plain_shapes, plain_tokens, padded = _decode_shapes(tmp_path / family, rows)
+    plain_shapes, plain_tokens, padded, _ = _decode_shapes(tmp_path / family, rows)
     assert not padded and len(plain_shapes) >= STEPS  # precondition: a new key length every step
     monkeypatch.setenv("CELERYTP_DEVICE_PATH_ON_CPU", "1")
-    shapes, tokens, padded = _decode_shapes(tmp_path / family, rows)
+    shapes, tokens, padded, padded_model_shapes = _decode_shapes(tmp_path / family, rows)
     key_buckets = {bucket(max(n + step + 1, 16)) for n in (5, 9, 14) for step in range(STEPS)}
     assert padded and len(shapes) <= len(key_buckets), sorted(shapes)
+    # what it logs and counts (a CUDA graph recorded for each): these, and a compiled load's warm-up
+    assert shapes <= padded_model_shapes and padded_model_shapes - shapes <= {(1, 16), (2, 16)}
     assert {width for width, _ in shapes} == {bucket(len(rows))}  # 3 rows padded to 4
     assert tokens == plain_tokens
 
@@ -110,11 +112,11 @@ def test_a_serving_step_waits_for_the_device_once_on_rank_0_and_never_elsewhere(
     monkeypatch.setenv("CELERYTP_COMPILE", "0")  # the counting mode would be traced into a compiled graph
     (run,) = serve_bare(tmp_path, tmp_path / family, 2, [[specs, []]])
     assert all("tokens" in row for row in run["rows"].values()), run["rows"]
-    stats = run["stats"]  # rank 0's
-    waits = {key: count for key, count in stats.items() if key.startswith("waits_")}
-    assert stats["steps"] >= 12 and 0 < waits.pop("waits_host_read") <= stats["steps"]
+    stats, waits = run["stats"], run["stats"]["host_waits"]  # rank 0's
+    assert stats["steps"] >= 12 and 0 < waits.pop("host_read") <= stats["steps"]
     # the experts' routing is read on the host (layers/moe.py: no grouped-GEMM kernel), outside the budget
-    assert waits == ({} if family == "llama" else {"waits_moe_routing": waits["waits_moe_routing"]})  # qwen3_next: MoE too
+    assert waits == ({} if family == "llama" else {"moe_routing": waits["moe_routing"]})  # qwen3_next: MoE too
+    assert 1 <= stats["new_decode_shapes"] <= 8  # widths of 1, 2, 4 and 8 rows x 16 or 32 keys
     monkeypatch.delenv("CELERYTP_DEVICE_PATH_ON_CPU")
     monkeypatch.delenv("CELERYTP_SYNC_CHECK")
     (plain,) = serve_bare(tmp_path, tmp_path / family, 2, [[specs, []]])  # the same bits unpadded, copied apart
@@ -188,3 +190,25 @@ def test_prefill_pads_its_pieces_to_buckets_and_computes_the_same_logits(tmp_pat
     buckets = {(bucket(n), bucket(max(start + bucket(n), 16))) for n, start in pieces}
     assert len(plain_shapes) > 20 and shapes == buckets and len(buckets) <= 10, sorted(shapes)
     assert all(torch.equal(a, b) for a, b in zip(plain, padded, strict=True))
+
+
+def test_cuda_attention_is_the_memory_efficient_backend_with_its_query_heads_folded():
+    """No GPU here, so this checks what can be checked without one: a CUDA device's attention is
+    SDPA held to the memory-efficient backend (a decision, layers/invariant_attention.py), and the
+    grouped query heads that backend needs folded into query positions give SDPA's own
+    `enable_gqa` result on a CPU, for a prefill's 2-D mask, decode's 4-D one and none."""
+    import torch.nn.functional as F
+
+    from celerytp.layers.invariant_attention import attention_kind, grouped_sdpa
+
+    assert attention_kind(torch.device("cuda")) == "sdpa_efficient"
+    g = torch.Generator().manual_seed(0)
+    for batch, heads, kv_heads, queries, keys in [(2, 6, 3, 1, 9), (1, 8, 2, 5, 12), (3, 4, 4, 2, 7)]:
+        q = torch.randn(batch, heads, queries, 16, generator=g)
+        k, v = (torch.randn(batch, kv_heads, keys, 16, generator=g) for _ in range(2))
+        decode = torch.rand(batch, 1, queries, keys, generator=g) > 0.3
+        decode[..., 0] = True
+        prefill = torch.ones(queries, keys, dtype=torch.bool).tril(diagonal=keys - queries)
+        for mask in (decode, prefill, None):
+            expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=heads != kv_heads)
+            torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.25), expected, atol=1e-6, rtol=1e-5)

@@ -44,7 +44,7 @@ def load_rank(path: Path, rank: int, world_size: int):  # type: ignore[no-untype
     with open_checkpoint(path) as ckpt, torch.inference_mode():
         config = config_from_hf(ckpt.hf_config)
         model = build_model(
-            config, ckpt, TPContext(rank, world_size), dtype=torch.float32, device="cpu", max_context=None
+            config, ckpt, TPContext(rank, world_size), dtype=torch.float32, device="cpu", max_context=16
         )
         loaded = model.load_weights(ckpt)
         return model, loaded, list(ckpt.reads), ckpt.names()

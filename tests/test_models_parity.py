@@ -26,6 +26,7 @@ from model_fixtures import (
     run_ranks,
 )
 
+from celerytp.core.errors import CeleryTPError
 from celerytp.distributed.tp import TPContext
 
 # Which tiny configs each world size runs (the others cannot be split that way).
@@ -169,3 +170,26 @@ def test_half_precision_kv_cache_on_a_float32_model(cases: dict[str, Case]) -> N
     budget = plain.memory_report()["kv_cache_bytes"]
     fits = load_model(case.path, TPContext(), kv_cache_bytes=budget).max_context
     assert load_model(case.path, TPContext(), kv_cache_bytes=budget, kv_dtype=torch.bfloat16).max_context == 2 * fits
+
+
+def test_the_kv_cache_is_sized_from_the_memory_left_after_the_weights(cases: dict[str, Case]) -> None:
+    """With no budget in bytes, the cache takes `kv_memory_fraction` of the memory free once the
+    weights are in (a CPU: available RAM over the group's ranks): the default holds this small
+    model's whole context; a fraction sized for about 40 positions gets about 40 (RAM moves
+    between the two reads); a context asked for past it is refused, naming the fraction."""
+    import psutil
+
+    from celerytp.models import load_model
+    from celerytp.models.kv_budget import kv_bytes_per_position, memory_budget
+
+    case = cases["llama_gqa_bias"]
+    whole = load_model(case.path, TPContext())
+    assert whole.max_context == whole.config.default_max_context
+    per_position = kv_bytes_per_position(whole.config, 1, torch.float32) * (1 + 1)  # max_batch 1 and step mode's row
+    available = psutil.virtual_memory().available
+    assert abs(memory_budget(torch.device("cpu"), 0.5, 2) - available / 4) < available / 20  # shared by 2 ranks
+    small = load_model(case.path, TPContext(), kv_memory_fraction=40 * per_position / available)
+    assert 20 <= small.max_context <= 60 and small.model.layers[0].self_attn.kv_cache.k.shape[2] == small.max_context + 1
+    assert small.model.rotary_embs[0].cos.shape[0] == small.max_context
+    with pytest.raises(CeleryTPError, match="kv_memory_fraction"):
+        load_model(case.path, TPContext(), kv_memory_fraction=40 * per_position / available, max_context=100)

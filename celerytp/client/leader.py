@@ -136,6 +136,7 @@ class Leader:
         timeout: float = 1800.0,
         *,
         kv_cache_bytes: int | None = None,
+        kv_memory_fraction: float | None = None,
         kv_dtype: str | None = None,
         prefill_budget: int = 256,
         idle_s: float = 1.0,
@@ -145,7 +146,9 @@ class Leader:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
 
         Serving settings: `max_batch` requests decode together (KV cache rows), each rank's KV
-        cache stays within `kv_cache_bytes` (max_context, unless given, is what fits) and is
+        cache stays within `kv_cache_bytes`, or without it within `kv_memory_fraction` (default
+        0.8) of the memory its device has free after the weights (a CPU: the host's available
+        RAM shared by the ranks), max_context, unless given, being what fits; it is
         stored in `kv_dtype` (default: the model's dtype; "bfloat16" halves a float32 cache),
         `prefill_budget` prompt tokens run per step beside the decoding rows, a serving loop
         ends `idle_s` after its last request, and past `max_queue` waiting requests a new one
@@ -157,7 +160,7 @@ class Leader:
         path = os.path.abspath(path if path is not None else default_model_path())
         fields = {
             "path": path, "dtype": dtype, "max_context": max_context, "max_batch": max_batch, "quant": quant,
-            "kv_cache_bytes": kv_cache_bytes, "kv_dtype": kv_dtype, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
+            "kv_cache_bytes": kv_cache_bytes, "kv_memory_fraction": kv_memory_fraction, "kv_dtype": kv_dtype, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
             "read_deadline_s": read_deadline_s,
         }
         self._ensure_group()
@@ -171,7 +174,7 @@ class Leader:
         record = model_record(
             fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,
             max_context=first.max_context, max_batch=first.max_batch, decode=first.decode,
-            batch_invariant=all(reply.batch_invariant for reply in replies),
+            batch_invariant=all(reply.batch_invariant for reply in replies), attention=first.attention,
         )
         self._keep_record(model_id, record, read_owners(self.redis, self.group, self.world_size))
         return replies

@@ -73,7 +73,9 @@ class LoadRequest(Request):
     max_context: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     max_batch: Annotated[int, Field(ge=1, le=256)] = 16  # sequences served at once (KV cache rows)
     quant: Annotated[str, Field(min_length=1, max_length=16)] | None = None  # ggml type name; None: keep the file's
-    kv_cache_bytes: Annotated[int, Field(ge=1)] | None = None  # KV cache budget per rank; None: the default
+    kv_cache_bytes: Annotated[int, Field(ge=1)] | None = None  # KV cache budget per rank; None: from memory
+    # None: models/kv_budget.py DEFAULT_KV_MEMORY_FRACTION of the memory free after the weights
+    kv_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     kv_dtype: DType | None = None  # the KV cache's dtype; None: the compute dtype
     prefill_budget: Annotated[int, Field(ge=1, le=1 << 16)] = 256  # prompt tokens per serving step
     idle_s: Annotated[float, Field(ge=0.01, le=600)] = 1.0  # a serving loop with no work ends after this
@@ -187,6 +189,7 @@ class Loaded(Reply):
     decode: Literal["compiled", "eager"] = "eager"  # how decode steps run (CELERYTP_COMPILE, models/compiled.py)
     # a request's tokens do not depend on what is batched beside it (CELERYTP_BATCH_INVARIANT, docs/models.md)
     batch_invariant: bool = False
+    attention: str = "sdpa"  # what attention runs on this rank (layers/invariant_attention.py `attention_kind`)
     vocab_size: int
     max_context: int
     max_batch: int
@@ -247,6 +250,8 @@ class ServeResult(Reply):
     peak_rows: int = 0
     reused_tokens: int = 0
     shared_prompt_tokens: int = 0
+    new_decode_shapes: int = 0  # bucketed decode shapes first met in this loop (on CUDA: graphs recorded)
+    host_waits: dict[str, int] = Field(default_factory=dict)  # with CELERYTP_SYNC_CHECK=1 (worker/host_syncs.py)
     total_s: float = 0.0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from celerytp.core.cache_dir import cache_dir
 from celerytp.core.switches import INVARIANT_ENV, switch
@@ -41,10 +42,17 @@ _STRIDES = _I64 * 15
 
 
 def attention_kind(device: torch.device) -> str:
-    """What `attention` runs on `device`: "invariant" (our kernel) or "sdpa"."""
-    if device.type != "cpu" or switch(INVARIANT_ENV) == "0" or _library() is None:
+    """What `attention` runs on `device` (the load reply's `attention`): "invariant" (our kernel,
+    on a CPU); "sdpa_efficient" on CUDA: SDPA held to its memory-efficient backend, which takes
+    any mask, builds no plan per shape (cuDNN's rebuilds one per new shape, tens of ms each) and
+    computes each query block over the keys in order, whatever the batch (not verified on a GPU
+    yet: the load reply's `batch_invariant` stays false there); "sdpa" (torch's own pick) where
+    invariance is off or the kernel cannot be built."""
+    if switch(INVARIANT_ENV) == "0":
         return "sdpa"
-    return "invariant"
+    if device.type == "cuda":
+        return "sdpa_efficient"
+    return "invariant" if device.type == "cpu" and _library() is not None else "sdpa"
 
 
 def attention(
@@ -56,7 +64,26 @@ def attention(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
+    if kind == "sdpa_efficient":
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return grouped_sdpa(q, k, v, mask, scale)
     return torch.ops.celerytp.invariant_attention(q, k, v, mask, scale)
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA with the query heads that share a KV head folded into its query positions, (B, KVH,
+    rep * T, D): the same sums as `enable_gqa`, for backends without it (memory-efficient), and
+    no key or value copied per query head."""
+    B, H, T, D = q.shape
+    kvh = k.shape[1]
+    if H == kvh:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    rep = H // kvh
+    folded = q.reshape(B, kvh, rep * T, D)  # query heads h = g * rep + i sit in group g
+    if mask is not None:  # (B or 1, 1, T, L) -> (B or 1, 1, rep * T, L), the same keys for each folded head
+        mask = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])  # a prefill's (T, L) too
+        mask = mask.expand(mask.shape[0], 1, T, mask.shape[-1]).repeat(1, 1, rep, 1)
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale).view(B, H, T, v.shape[-1])
 
 
 @functools.cache

@@ -149,10 +149,19 @@ class KVCache(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        shape = (rows, num_kv_heads, max_context + 1, head_dim)
+        self.register_buffer("k", torch.empty(rows, num_kv_heads, 0, head_dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v", torch.empty_like(self.k), persistent=False)
+        self.resize(max_context)
+
+    def resize(self, max_context: int) -> None:
+        """Positions 0..max_context-1 and the scratch one, empty (what held before is freed first)."""
+        rows, heads, _, head_dim = self.k.shape
+        dtype, device = self.k.dtype, self.k.device
+        self.k = self.v = torch.empty(0, dtype=dtype, device=device)
         self.scratch = max_context
-        self.register_buffer("k", lazy_zeros(shape, dtype, device), persistent=False)
-        self.register_buffer("v", lazy_zeros(shape, dtype, device), persistent=False)
+        self.k = lazy_zeros((rows, heads, max_context + 1, head_dim), dtype, device)
+        self.v = lazy_zeros((rows, heads, max_context + 1, head_dim), dtype, device)
 
     def update(self, slots: CacheSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nkv, T, hd) at `slots`; return each row's keys/values 0..length-1 in

@@ -212,6 +212,12 @@ class RotaryEmbedding(nn.Module):
         # longrope and dynamic choose per row (module docstring); the others are one lookup.
         per_row = rope.rope_type in ("longrope", "dynamic") and rope.freq_factors is None
         self.per_row = rope.rope_type if per_row else None
+        self.resize(max_positions, device)
+
+    def resize(self, max_positions: int, device: torch.device | None = None) -> None:
+        """Tables for positions 0..max_positions-1 (a load sizes its context once the weights are in)."""
+        device = self.cos.device if device is None else device
+        rope, head_dim = self.rope, self.head_dim
         positions = torch.arange(max_positions, dtype=torch.float32)
         scale = attention_scaling(rope)
         cos, sin = _cos_sin(inv_frequencies(rope, head_dim), positions, scale)  # (P, hd) each

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -15,11 +16,13 @@ from celerytp.layers import packed_linear
 from celerytp.layers.host_transfer import to_device
 from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket
 from celerytp.layers.moe import RoutedExperts
+from celerytp.layers.rotary import RotaryEmbedding
 from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.config import ModelConfig
 from celerytp.quant.formats import QuantPlan
 
 Progress = Callable[[int, int, str], None]
+log = logging.getLogger(__name__)
 
 
 def takes_device_path(device: torch.device) -> bool:
@@ -91,6 +94,9 @@ class CausalLM(nn.Module):
         # and prefill pads its chunk and the keys it reads so too (not where padding would enter
         # a recurrent state: hybrid models prefill one row as it comes)
         self.prefill_buckets = takes_device_path(options.device) and self.batched_prefill
+        # (batch width, keys read) of every bucketed decode step so far: on CUDA a shape first met
+        # records a CUDA graph (logged, and counted in the serving loop's stats)
+        self.decode_shapes: set[tuple[int, int]] = set()
         # Decode always gives attention a mask (CacheSlots.decode), even when no row is ragged:
         # set by compiled decode, whose graph would otherwise differ with and without one.
         self.decode_masked = False
@@ -100,17 +106,21 @@ class CausalLM(nn.Module):
         return self.options.device
 
     @property
+    def attention(self) -> str:
+        """What its attention layers run (layers/invariant_attention.py `attention_kind`), for the load reply."""
+        return ",".join(sorted({m.attention_kind for m in self.modules() if hasattr(m, "attention_kind")}))
+
+    @property
     def batch_invariant(self) -> bool:
         """Whether a row's logits are the same bits whatever is batched beside it and whether its
         tokens were prefilled or decoded (docs/models.md, "Batch invariance"): every attention
         runs the invariant kernel, float linears run oneDNN (so none is in a compiled decode
         graph, whose matmuls are the compiler's), and no recurrent state is prefilled by another
         algorithm than it is decoded with."""
-        kinds = {m.attention_kind for m in self.modules() if hasattr(m, "attention_kind")}
         compiled_floats = getattr(self.model, "decode_runs", None) and (
             self.quant in (None, "f32", "f16", "bf16")
             or any(getattr(m, "kernel", None) in ("float", "dequant") for m in self.modules()))
-        return (self.batched_prefill and kinds == {"invariant"} and switch(INVARIANT_ENV) == "1"
+        return (self.batched_prefill and self.attention == "invariant" and switch(INVARIANT_ENV) == "1"
                 and packed_linear.kernel_works(self.options.dtype, str(self.device)) and not compiled_floats)
 
     @property
@@ -190,6 +200,10 @@ class CausalLM(nn.Module):
         ids = to_device(tokens, self.device)[:, None]  # (R, 1)
         slots = CacheSlots.decode(positions, active, self.max_context, self.device, bucketed=self.decode_buckets,
                                   masked=self.decode_masked)
+        if self.decode_buckets and (len(tokens), slots.length) not in self.decode_shapes:
+            self.decode_shapes.add((len(tokens), slots.length))
+            log.info("decode met a new shape, %d rows x %d keys (with CUDA graphs, one is recorded now)",
+                     len(tokens), slots.length)
         h = self.model(ids, slots)[:, 0]  # (R, D)
         if not all(active):
             h = h.index_select(0, to_device([r for r, a in enumerate(active) if a], self.device))  # (A, D)
@@ -247,6 +261,16 @@ class CausalLM(nn.Module):
         for cache in self.kv_caches():
             cache.copy_row(src, dst, keep)
         self.cache_lens[dst] = keep
+
+    def resize_context(self, max_context: int) -> None:
+        """Give every row `max_context` positions: the KV cache and the rotary tables, empty (a
+        load sizes them once its weights are in, from the memory left: models/kv_budget.py)."""
+        for module in self.modules():
+            if isinstance(module, (KVCache, RotaryEmbedding)):
+                module.resize(max_context)
+        self.max_context = max_context
+        self.options = replace(self.options, max_context=max_context)
+        self.clear_cache()
 
     def kv_caches(self) -> list[KVCache]:
         return [m for m in self.modules() if isinstance(m, KVCache)]

@@ -24,8 +24,10 @@ start on a machine: ~30 s there, a few seconds on later starts. On a CPU the gra
 C++ (`cpp_wrapper`: ~0.5 ms a step less than Python); on CUDA the same call uses
 mode="reduce-overhead" (CUDA graphs). A CUDA graph replays one recorded shape, so there decode
 pads its batch width and the keys it reads to powers of two (`CausalLM.decode_buckets`): a
-graph per bucket, recorded once, instead of one per step as the attended length grows. Prefill
-and hybrid (Gated DeltaNet) layers stay eager.
+graph per bucket, recorded once, instead of one per step as the attended length grows. The width
+buckets are recorded at load; a keys bucket when a row first reaches it, logged and counted
+(the serving loop's `new_decode_shapes`). The KV cache is a static input (recorded where it
+lies, never copied in). Prefill and hybrid (Gated DeltaNet) layers stay eager.
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
     eager_buckets = model.decode_buckets  # the device path's (models/base.py `takes_device_path`)
     model.decode_buckets, model.decode_masked = graphs or eager_buckets, True
+    if graphs:  # the KV cache stays where the graphs recorded it: static inputs, never copied in per replay
+        for cache in model.kv_caches():
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
     widths = sorted({min(bucket(w), model.max_batch) for w in range(1, model.max_batch + 1)}) if graphs else (1, 2)
     # Warm-up rows sit a few positions in: a graph traced with 1 key would hold for 1 key only.
     position = min(WARM_UP_POSITION, model.max_context - 1)

@@ -12,18 +12,16 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.switches import check_switches
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.packed_linear import pack_linears
-from celerytp.layers.partition import split_heads, split_linear_heads
-from celerytp.layers.rotary import scaled_context
 from celerytp.loading import Checkpoint, open_checkpoint
 from celerytp.models.architectures import architecture, config_from_hf
 from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.compiled import compile_decode, compile_requested
 from celerytp.models.config import ModelConfig
 from celerytp.models.hybrid_config import HybridConfig
+from celerytp.models.kv_budget import DEFAULT_KV_MEMORY_FRACTION, check_context, fit_context, memory_budget
 from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import embedding_plan, finish_loading, mlp_block, plan_name, resolve_quant
 
-DEFAULT_KV_CACHE_BYTES = 2 << 30  # per rank; on CPU only the pages rows write become resident
 
 def load_model(
     path: str | os.PathLike[str],
@@ -36,12 +34,19 @@ def load_model(
     progress: Progress | None = None,
     quant: str | None = None,
     kv_cache_bytes: int | None = None,
+    kv_memory_fraction: float | None = None,
     kv_dtype: torch.dtype | None = None,
     prepare: bool = True,
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file), and with
     `prepare`, make it ready to decode (`prepare_decode`; a rank worker calls that itself once
     every rank has read its shard, since compiling decode runs collectives).
+
+    The KV cache holds max_batch + 1 rows (step mode has its own) of max_context positions,
+    stored in `kv_dtype` (default: the compute dtype), within `kv_cache_bytes` per rank, or where
+    that is unset within `kv_memory_fraction` (default DEFAULT_KV_MEMORY_FRACTION) of the memory
+    free once the weights are in: an unset max_context is the largest that fits, up to the model's
+    default; a set one that does not fit is refused (models/kv_budget.py).
 
     Raises CeleryTPError(ErrorKind.UNSUPPORTED_ARCH) for paths and architectures we cannot run and
     CeleryTPError(ErrorKind.LOAD_FAILED) for broken checkpoints or impossible splits. `quant` names the
@@ -52,9 +57,14 @@ def load_model(
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)
         plan = resolve_quant(quant, checkpoint, dtype)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        check_context(config, max_context)
+        # a budget in bytes sizes the cache now; else one position until the weights are in
+        context = 1 if kv_cache_bytes is None else fit_context(
+            config, tp.world_size, kv_dtype, max_batch, max_context, kv_cache_bytes)
         model = build_model(
-            config, checkpoint, tp, dtype=dtype, device=device, max_context=max_context, max_batch=max_batch, quant=plan,
-            kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype,
+            config, checkpoint, tp, dtype=dtype, device=device, max_context=context, max_batch=max_batch, quant=plan,
+            kv_dtype=kv_dtype,
         )
         loaded = model.load_weights(checkpoint, progress)
         tensors = len(checkpoint.names())
@@ -63,6 +73,11 @@ def load_model(
         not_loaded = sorted(set(model.checkpoint_table()) - loaded)
         if not_loaded:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"missing: {not_loaded}; unexpected: []")
+    if kv_cache_bytes is None:
+        fraction = DEFAULT_KV_MEMORY_FRACTION if kv_memory_fraction is None else kv_memory_fraction
+        budget = memory_budget(model.device, fraction, tp.world_size)
+        model.resize_context(fit_context(config, tp.world_size, kv_dtype, max_batch, max_context, budget,
+                                         f"kv_memory_fraction {fraction} of the memory free after the weights"))
     model.eval()
     if prepare:
         prepare_decode(model, None if progress is None else lambda what: progress(tensors, tensors, what))
@@ -84,22 +99,16 @@ def build_model(
     *,
     dtype: torch.dtype,
     device: str | torch.device,
-    max_context: int | None,
+    max_context: int,
     max_batch: int = 1,
     quant: QuantPlan | None = None,
-    kv_cache_bytes: int | None = None,
     kv_dtype: torch.dtype | None = None,
 ) -> CausalLM:
-    """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks.
-
-    The KV cache holds max_batch + 1 rows (step mode has its own) of max_context positions
-    within `kv_cache_bytes` per rank (default DEFAULT_KV_CACHE_BYTES), stored in `kv_dtype`
-    (default: the compute dtype): an unset max_context is the largest that fits, up to the
-    model's default; a set one that does not fit is refused.
-    """
+    """Allocate this rank's (uninitialised) shard; `checkpoint` only tells its quant blocks. The KV
+    cache holds max_batch + 1 rows (step mode has its own) of max_context positions in `kv_dtype`
+    (default: the compute dtype)."""
     model_cls = architecture(config.model_type).model_cls
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    max_context = fit_context(config, tp.world_size, kv_dtype, max_batch, max_context, kv_cache_bytes)
     options = BuildOptions(
         tp=tp,
         dtype=dtype,
@@ -112,54 +121,6 @@ def build_model(
         embedding_quant=embedding_plan(quant, _embedding_type(checkpoint), config.tie_word_embeddings),
     )
     return model_cls(config, options)
-
-
-def kv_bytes_per_position(config: ModelConfig | HybridConfig, world_size: int, dtype: torch.dtype) -> int:
-    """KV cache bytes one position of one row costs on the rank holding the most KV heads."""
-    if isinstance(config, HybridConfig):  # its linear heads' split is checked first, as the model would
-        for rank in range(world_size):
-            split_linear_heads(rank, world_size, config.linear_num_value_heads, config.linear_num_key_heads)
-    attention_layers = config.num_layers - getattr(config, "num_linear_layers", 0)
-    kv_heads = max(split_heads(r, world_size, config.num_heads, config.num_kv_heads).kv_count for r in range(world_size))
-    return attention_layers * 2 * kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def fit_context(
-    config: ModelConfig | HybridConfig,
-    world_size: int,
-    dtype: torch.dtype,
-    max_batch: int,
-    max_context: int | None,
-    budget: int | None,
-) -> int:
-    """The KV cache's positions per row: as asked if it fits the budget, else the most that fits."""
-    budget = DEFAULT_KV_CACHE_BYTES if budget is None else budget
-    rows = max_batch + 1
-    per_position = max(1, kv_bytes_per_position(config, world_size, dtype)) * rows
-    fits = budget // per_position
-    if max_context is None:
-        max_context = min(config.default_max_context, fits)
-        if max_context < 1:
-            raise CeleryTPError(
-                ErrorKind.LOAD_FAILED,
-                f"the KV cache budget of {budget} bytes holds no position of {rows} rows ({per_position} bytes each)",
-            )
-    limit = scaled_context(config.rope, config.max_position_embeddings)
-    if not 1 <= max_context <= limit:
-        extended = f", extended by its {config.rope.rope_type} rope scaling" if limit > config.max_position_embeddings else ""
-        raise CeleryTPError(
-            ErrorKind.LOAD_FAILED,
-            f"max_context {max_context} must be within 1..{limit} (max_position_embeddings"
-            f" {config.max_position_embeddings}{extended})",
-        )
-    if max_context > fits:
-        raise CeleryTPError(
-            ErrorKind.LOAD_FAILED,
-            f"a KV cache of {rows} rows x {max_context} positions needs {max_context * per_position >> 20}"
-            f" MiB per rank, over the budget of {budget >> 20} MiB: lower max_batch or max_context,"
-            f" or raise kv_cache_bytes (at most {fits} positions fit)",
-        )
-    return max_context
 
 
 def _embedding_type(checkpoint: Checkpoint) -> GGMLQuantizationType | None:

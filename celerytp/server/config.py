@@ -120,7 +120,7 @@ class ServeConfig:
     api_keys: Bearer keys, any one of which opens the API (empty: open).
     admin_key: Bearer key of the /admin endpoints and /health's details (None: the admin endpoints are off).
     metrics_key: Bearer key of /metrics (None: /metrics is open); the admin key opens it too.
-    quant, max_batch, max_context: load settings.
+    quant, max_batch, max_context, kv_memory_fraction: load settings.
     frontend: also consume `celerytp.generate` tasks (the Celery front door).
     request_timeout: seconds a request may take before it is cancelled and answered 504.
     payload_limit: the largest request body in bytes; a larger one is answered 413 before it is parsed.
@@ -141,6 +141,7 @@ class ServeConfig:
     quant: str | None = None
     max_batch: int = 16
     max_context: int | None = None
+    kv_memory_fraction: float | None = None
     frontend: bool = True
     request_timeout: float = 600.0
     device: str = "cpu"
@@ -152,6 +153,8 @@ class ServeConfig:
         positive("--max-batch", self.max_batch)
         positive("--max-context", self.max_context)
         positive("--payload-limit", self.payload_limit)
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
+            raise bad(f"--kv-memory-fraction must be within (0, 1], got {self.kv_memory_fraction}")
         if not self.request_timeout > 0:
             raise bad(f"--request-timeout must be > 0, got {self.request_timeout}")
         if not self.model_id:

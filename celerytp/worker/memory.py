@@ -7,8 +7,9 @@ import resource
 import sys
 from typing import Any
 
-import psutil
 import torch
+
+from celerytp.models.kv_budget import free_memory
 
 
 def memory_report(device: torch.device | None, models: dict[str, Any]) -> dict[str, int]:
@@ -18,9 +19,10 @@ def memory_report(device: torch.device | None, models: dict[str, Any]) -> dict[s
     held = list(models.values())
     report = {"weights": sum(m.memory.get("weights", 0) for m in held),
               "kv_cache": sum(m.memory.get("kv_cache", 0) for m in held)}
-    if device is not None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return {"free": free, "total": total, **report, "peak": torch.cuda.max_memory_allocated(device)}
-    ram = psutil.virtual_memory()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"free": ram.available, "total": ram.total, **report, "peak": peak}
+    device = torch.device("cpu") if device is None else device
+    free, total = free_memory(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"free": free, "total": total, **report, "peak": peak}

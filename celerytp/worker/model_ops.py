@@ -163,7 +163,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
                 path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
                 max_context=request.max_context, max_batch=request.max_batch,
                 progress=progress,
-                quant=request.quant, kv_cache_bytes=request.kv_cache_bytes,
+                quant=request.quant, kv_cache_bytes=request.kv_cache_bytes, kv_memory_fraction=request.kv_memory_fraction,
                 kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False,
             )
     except Exception as exc:  # noqa: BLE001 - a broken file must not take the worker down
@@ -189,7 +189,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     record = model_record(
         request.model_dump(include=set(LOAD_FIELDS)), dtype=dtype_name, model_type=config.model_type,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch, decode=decode,
-        batch_invariant=model.batch_invariant,
+        batch_invariant=model.batch_invariant, attention=model.attention,
     )
     memory = model.memory_report()
     state.models[request.model_id] = LoadedModel(
@@ -201,7 +201,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     return p.Loaded(
         rank=state.rank, model_id=request.model_id, model_type=config.model_type, dtype=dtype_name,
         quant=model.quant, quant_types=quant_types, quant_fallbacks=fallbacks, decode=decode,
-        batch_invariant=model.batch_invariant,
+        batch_invariant=model.batch_invariant, attention=model.attention,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch,
         prefill_budget=request.prefill_budget, idle_s=request.idle_s, num_layers=config.num_layers,
         sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],

@@ -62,7 +62,8 @@ def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
                 log.warning("could not requeue the requests of %s (they go back when the lease lapses): %s",
                             request.model_id, exc)
     return p.ServeResult(
-        rank=state.rank, model_id=request.model_id, total_s=time.perf_counter() - started, **stats
+        rank=state.rank, model_id=request.model_id, total_s=time.perf_counter() - started,
+        host_waits=dict(loop.host_waits), **stats
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -212,13 +213,15 @@ class ServingLoop:
         self._grammars: dict[str, RowGrammar] = {}  # rank 0: request id -> its matcher, until it has a row
         self.is_sampler = control.rank == 0
         self.running: dict[int, Sequence] = {}  # cache row -> its request
-        self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0, "shared_prompt_tokens": 0}
+        self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0, "shared_prompt_tokens": 0,
+                      "new_decode_shapes": 0}
         self._news: list[tuple[int, int]] = [(NO_NEWS, 0)] * self.rows
         self._events = Events()
         self._yielding = False
         self._abort: tuple[str, str] | None = None  # rank 0's own failure, sent in the next plan
         self._admitting: list[GenSpec] = []  # rank 0: taken off the queue, not yet in a row
         self.sync_check = switch(SYNC_CHECK_ENV) == "1"
+        self.host_waits: Counter[str] = Counter()  # this rank's, by kind, with the sync check on
         self._prompt_pieces: list[tuple[Sequence, int, tuple[torch.Tensor, ...]]] = []  # rank 0: read in `_on_host`
 
     # ---- the loop ------------------------------------------------------------------------
@@ -230,6 +233,7 @@ class ServingLoop:
         # rank must decide alike, also when one could not build the invariant kernel.
         agreed = self.control.all_reduce(torch.tensor([int(self.model.batch_invariant)]), "min")
         self.invariant = bool(agreed[0])
+        self._shapes_before = len(self.model.decode_shapes)
         while True:
             plan = timed("step", self._step)
             if plan.command == ABORT:
@@ -249,20 +253,20 @@ class ServingLoop:
         self.stats["steps"] += 1
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.running))
         scores = timed("forward", lambda: self._within_sync_budget(lambda: self._scores(*self._forward())))
+        self._count_new_shapes()
         if self.is_sampler and scores is not None:
             self._guarded(lambda: timed("sampling", lambda: self._sample(scores)))
         return plan
 
     def _within_sync_budget(self, forward: Callable[[], Scores | None]) -> Scores | None:
         """The step's forwards and scores; with CELERYTP_SYNC_CHECK=1, counted (worker/host_syncs.py,
-        totals in the stats as waits_<kind>) and failed when the host waited for the device more than once on rank 0 (its one packed
+        totals in `host_waits`) and failed when the host waited for the device more than once on rank 0 (its one packed
         copy of what sampling needs) or at all elsewhere. Checked after the step's last collective."""
         if not self.sync_check:
             return forward()
         with HostSyncs() as syncs:
             scores = forward()
-        for kind, count in syncs.counts.items():
-            self.stats[f"waits_{kind}"] = self.stats.get(f"waits_{kind}", 0) + count
+        self.host_waits.update(syncs.counts)
         over = syncs.over({HOST_READ: 1 if self.is_sampler else 0})
         if over:
             raise CeleryTPError(ErrorKind.INTERNAL, f"step {self.stats['steps']} on rank {self.control.rank} "
@@ -374,6 +378,11 @@ class ServingLoop:
 
     def _live_stats(self) -> dict[str, int]:
         return {**self.stats, "running_rows": len(self.running), **per_step_us(self.stats["steps"])}
+
+    def _count_new_shapes(self) -> None:
+        """Bucketed decode shapes first met in this loop (models/base.py `decode_shapes`): each a
+        CUDA graph recorded while serving."""
+        self.stats["new_decode_shapes"] = len(self.model.decode_shapes) - self._shapes_before
 
     # ---- every rank: exchange and apply the plan -----------------------------------------
 
