@@ -162,7 +162,11 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
 
 
 @pytest.mark.parametrize("name", [*HYBRID_CONFIGS, "qwen3_5_multimodal"])
-def test_world_size_1_matches_transformers(cases: dict[str, Case], name: str) -> None:
+@pytest.mark.parametrize("prefill", ["steps", "chunks"])
+def test_world_size_1_matches_transformers(cases: dict[str, Case], name: str, prefill: str, monkeypatch) -> None:
+    """Prefill token by token (the default) and by the chunked rule (CELERYTP_RECURRENT_PREFILL=chunks,
+    set here so that its code is checked too)."""
+    monkeypatch.setenv("CELERYTP_RECURRENT_PREFILL", prefill)
     case = cases[name]
     result = run_job(Job(name, str(case.path), case.prompt), TPContext())
     assert_matches(result.greedy, case.reference, name)
@@ -178,11 +182,14 @@ def test_tensor_parallel_matches_transformers(cases: dict[str, Case], tmp_path: 
                 assert_matches(results[name].greedy, cases[name].reference, f"{name} rank {rank}/{world_size}")
 
 
-def test_prefill_in_one_call_equals_token_by_token(cases: dict[str, Case]) -> None:
+def test_prefill_in_one_call_equals_token_by_token(cases: dict[str, Case], monkeypatch) -> None:
     """Chunked prefill, uneven prefill pieces and one token per call (recurrent form) agree,
-    and clear_cache forgets the recurrent state as well as the KV cache."""
+    and clear_cache forgets the recurrent state as well as the KV cache. The chunked rule is what
+    this checks (CELERYTP_RECURRENT_PREFILL=chunks; the default prefill is the recurrent step, equal
+    to decode bit for bit: tests/test_batch_invariance.py)."""
     from celerytp.models import load_model
 
+    monkeypatch.setenv("CELERYTP_RECURRENT_PREFILL", "chunks")
     case = cases["qwen3_next"]
     model = load_model(case.path, TPContext())
     prompt = torch.tensor(case.prompt)

@@ -7,6 +7,7 @@ that needs another value sets it itself and says why.
 |---|---|---|
 | CELERYTP_COMPILE | auto, 1, 0 | compiled decode (models/compiled.py) |
 | CELERYTP_BATCH_INVARIANT | 1, 0 | attention in one fixed order per query (layers/invariant_attention.py) |
+| CELERYTP_RECURRENT_PREFILL | steps, chunks | a hybrid model's Gated DeltaNet prefills token by token as decode does, or by the faster chunked rule (layers/gated_deltanet.py) |
 | CELERYTP_PACK_LINEARS | auto, 1, 0 | float linears packed for oneDNN (layers/packed_linear.py) |
 | CELERYTP_QUANT_KERNEL | auto, dequant, int8pack | the kernel of ggml-format linears (layers/quantized.py) |
 | CELERYTP_SHM | 1, 0 | same-host collectives through shared memory (distributed/shm.py) |
@@ -26,6 +27,7 @@ INVARIANT_ENV = "CELERYTP_BATCH_INVARIANT"
 PACK_ENV = "CELERYTP_PACK_LINEARS"
 KERNEL_ENV = "CELERYTP_QUANT_KERNEL"
 SHM_ENV = "CELERYTP_SHM"
+RECURRENT_PREFILL_ENV = "CELERYTP_RECURRENT_PREFILL"
 ALLOW_SLOW_HALF_ENV = "CELERYTP_ALLOW_SLOW_HALF"
 DEVICE_PATH_ENV = "CELERYTP_DEVICE_PATH_ON_CPU"
 SYNC_CHECK_ENV = "CELERYTP_SYNC_CHECK"
@@ -35,6 +37,7 @@ SWITCHES = {
     PACK_ENV: ("auto", "1", "0"),
     KERNEL_ENV: ("auto", "dequant", "int8pack"),
     SHM_ENV: ("1", "0"),
+    RECURRENT_PREFILL_ENV: ("steps", "chunks"),
     ALLOW_SLOW_HALF_ENV: ("0", "1"),
     DEVICE_PATH_ENV: ("0", "1"),
     SYNC_CHECK_ENV: ("0", "1"),

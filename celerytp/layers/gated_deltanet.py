@@ -3,7 +3,11 @@
 A rank owns whole key heads with the value heads they serve (or, with more ranks than key
 heads, one replicated key head and a share of its value heads), so the delta rule runs with
 no communication; `out_proj` is row-parallel and its all-reduce is the block's only one.
-Prefill uses the chunked (UT-transform) form of the delta rule, decode the recurrent form.
+Decode uses the recurrent form of the delta rule. Prefill, with batch invariance on (the
+default), runs the same recurrent step token by token, conv included, so that a token prefilled
+and the same token decoded are the same bits (docs/models.md, "Batch invariance"); with
+CELERYTP_RECURRENT_PREFILL=chunks (or CELERYTP_BATCH_INVARIANT=0) it uses the chunked
+(UT-transform) form, about twice as fast (docs/benchmarks.md), and the model is not invariant.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.switches import INVARIANT_ENV, RECURRENT_PREFILL_ENV, switch
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.hybrid_norm import GatedRMSNorm
 from celerytp.layers.kv_cache import CacheSlots
@@ -169,6 +174,8 @@ class GatedDeltaNet(nn.Module):
         self.num_k, self.num_v = heads.kv_count, heads.q_count  # local
         self.hk, self.hv = dims.key_head_dim, dims.value_head_dim
         self.chunk_size = dims.chunk_size
+        # prefill as decode computes it (module docstring)
+        self.stepwise = switch(INVARIANT_ENV) == "1" and switch(RECURRENT_PREFILL_ENV) == "steps"
         common = {"dtype": dtype, "device": device}
         # Submodules named as the checkpoint's, so parameters read `in_proj.weight`, `conv1d.weight`.
         # quant: the projections (in_proj, out_proj) are kept quantized; conv1d, A_log, dt_bias and
@@ -219,7 +226,10 @@ class GatedDeltaNet(nn.Module):
         conv_state, ssm_state = self.state.conv[rows], self.state.ssm[rows]  # views of these rows' state
         qw = self.in_proj.qweight
         qkv, z, b, a = (float_linear(x, self.in_proj.weight, None) if qw is None else qw(x)).split(self.split_sizes, dim=-1)
-        qkv = causal_conv(qkv, self.conv1d.weight, conv_state, slots.active)  # (B, T, conv_dim)
+        if self.stepwise and T > 1:  # each token as its decode step convolves it
+            qkv = torch.cat([causal_conv(qkv[:, t : t + 1], self.conv1d.weight, conv_state) for t in range(T)], 1)
+        else:
+            qkv = causal_conv(qkv, self.conv1d.weight, conv_state, slots.active)  # (B, T, conv_dim)
         q, k, v = qkv.split([self.layout.key_dim, self.layout.key_dim, self.layout.value_dim], dim=-1)
         beta = lanewise(torch.sigmoid, b.float())  # (B, T, nv)
         g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias.float())  # (B, T, nv), log decay
@@ -233,7 +243,7 @@ class GatedDeltaNet(nn.Module):
             g,
             beta,
             ssm_state,
-            self.chunk_size,
+            None if self.stepwise else self.chunk_size,
         )  # (B, T, nv, hv) float32
         y = self.norm(core.to(x.dtype), z.view(B, T, self.num_v, self.hv))
         return self.out_proj(y.reshape(B, T, self.layout.value_dim))  # all-reduced over ranks
@@ -266,9 +276,10 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> torch.Tensor:
-    """The gated delta rule over T steps from `state` (B, H, dk, dv), updated in place.
+    """The gated delta rule over T steps from `state` (B, H, dk, dv), updated in place: in
+    chunks of `chunk_size`, or (None) one recurrent step per token, as decode runs it.
 
     q, k (B, T, Hk, dk); v (B, T, H, dv); g (log decay) and beta (B, T, H). Each key head
     serves H / Hk consecutive value heads. Returns (B, T, H, dv) in float32.
@@ -280,8 +291,9 @@ def gated_delta_rule(
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # (B, H, T, d)
     g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # (B, H, T)
-    if q.shape[2] == 1:
-        out = _recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], state)[:, :, None]
+    if q.shape[2] == 1 or chunk_size is None:
+        out = torch.stack([_recurrent_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], state)
+                           for t in range(q.shape[2])], 2)
     else:
         out = _chunked(q, k, v, g, beta, state, chunk_size)
     return out.transpose(1, 2)  # (B, T, H, dv)

@@ -23,8 +23,11 @@ ROW_MULTIPLE = 64  # two vectors of bfloat16 on AVX-512 (the widest step an aten
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise `fn`, each of x's rows (first dim) padded to a multiple of
     ROW_MULTIPLE elements while it runs. CUDA, or CELERYTP_BATCH_INVARIANT=0: fn(x) as it is."""
+    if x.device.type != "cpu" or switch(INVARIANT_ENV) == "0":
+        return fn(x)
+    # contiguous rows (a strided x, as a split of a projection is, runs the scalar loop throughout)
     rows = x.reshape(x.shape[0], -1) if x.dim() else x.reshape(1, 1)
     width = rows.shape[1]
-    if x.device.type != "cpu" or width % ROW_MULTIPLE == 0 or switch(INVARIANT_ENV) == "0":
-        return fn(x)
+    if width % ROW_MULTIPLE == 0:
+        return fn(rows.contiguous()).reshape(x.shape)
     return fn(F.pad(rows, (0, -width % ROW_MULTIPLE)))[:, :width].reshape(x.shape)

@@ -120,7 +120,8 @@ class CausalLM(nn.Module):
         compiled_floats = getattr(self.model, "decode_runs", None) and (
             self.quant in (None, "f32", "f16", "bf16")
             or any(getattr(m, "kernel", None) in ("float", "dequant") for m in self.modules()))
-        return (self.batched_prefill and self.attention == "invariant" and switch(INVARIANT_ENV) == "1"
+        stepwise = all(m.stepwise for m in self.modules() if hasattr(m, "stepwise"))  # recurrent layers
+        return (stepwise and self.attention == "invariant" and switch(INVARIANT_ENV) == "1"
                 and packed_linear.kernel_works(self.options.dtype, str(self.device)) and not compiled_floats)
 
     @property
