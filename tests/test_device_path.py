@@ -25,6 +25,19 @@ FAMILIES = {
 }  # fmt: skip
 
 
+def _saved(family: str, path) -> object:
+    """A small random model of `family` (or qwen3_next for "hybrid"), saved at `path`."""
+    if family == "hybrid":
+        from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model
+
+        kind, kwargs, _ = HYBRID_CONFIGS["qwen3_next"]
+        hf = make_hybrid_model(kind, kwargs, seed=3)
+    else:
+        hf = make_hf_model(*FAMILIES[family], seed=3)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
 def _decode_shapes(path, rows: list[list[int]]) -> tuple[set, list[list[int]], bool, set]:
     """The (batch width, keys read) of every decode step's attention over STEPS greedy steps of
     `rows` (recorded where decode makes its slots, outside any compiled graph), each row's tokens,
@@ -52,14 +65,7 @@ def _decode_shapes(path, rows: list[list[int]]) -> tuple[set, list[list[int]], b
 
 @pytest.mark.parametrize(("family", "compiled"), [("llama", "0"), ("llama", "1"), ("qwen3_moe", "0"), ("hybrid", "0")])
 def test_decode_sees_one_shape_per_bucket_and_the_same_tokens(tmp_path, monkeypatch, family, compiled):
-    if family == "hybrid":
-        from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model
-
-        kind, kwargs, _ = HYBRID_CONFIGS["qwen3_next"]
-        hf = make_hybrid_model(kind, kwargs, seed=3)
-    else:
-        hf = make_hf_model(*FAMILIES[family], seed=3)
-    hf.save_pretrained(tmp_path / family, safe_serialization=True)
+    hf = _saved(family, tmp_path / family)
     rows = [make_prompt(hf.config.vocab_size, n, seed=n) for n in (5, 9, 14)]
     monkeypatch.setenv("CELERYTP_COMPILE", compiled)  # this case's decode, eager or compiled
     plain_shapes, plain_tokens, padded, _ = _decode_shapes(tmp_path / family, rows)
@@ -96,14 +102,7 @@ def test_a_serving_step_waits_for_the_device_once_on_rank_0_and_never_elsewhere(
     greedy and seeded ones give the tokens they give off the device path."""
     from bare_loop import serve_bare
 
-    if family == "hybrid":
-        from test_models_hybrid import HYBRID_CONFIGS, make_hybrid_model
-
-        kind, kwargs, _ = HYBRID_CONFIGS["qwen3_next"]
-        hf = make_hybrid_model(kind, kwargs, seed=3)
-    else:
-        hf = make_hf_model(*FAMILIES[family], seed=3)
-    hf.save_pretrained(tmp_path / family, safe_serialization=True)
+    hf = _saved(family, tmp_path / family)
     specs = [{key: value for key, value in dict(spec, prompt=make_prompt(hf.config.vocab_size, spec.get("length", 6),
                                                                          seed=i)).items() if key != "length"}
              for i, spec in enumerate(SYNC_REQUESTS)]
@@ -212,3 +211,29 @@ def test_cuda_attention_is_the_memory_efficient_backend_with_its_query_heads_fol
         for mask in (decode, prefill, None):
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=heads != kv_heads)
             torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.25), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_lost_peer_aborts_an_nccl_communicator_and_leaves_a_gloo_rank_to_exit(tmp_path, monkeypatch):
+    """What a rank does when its watchdog finds a peer gone mid-op (worker/state.py
+    `abort_model_group`). gloo is real here (world size 1): its `abort` cannot wake a waiting
+    thread, so nothing is aborted and the watchdog exits the worker as before. NCCL cannot run
+    here: the backend's name and the default group are stood in for, to check that an NCCL group's
+    communicator is aborted and the group marked broken."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from celerytp.worker.state import RankState
+
+    broken = []
+    rank = SimpleNamespace(mark_broken=broken.append)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        assert RankState.abort_model_group(rank, "peer gone") is False and broken == []
+        aborted = []
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: SimpleNamespace(abort=lambda: aborted.append(1)))
+        assert RankState.abort_model_group(rank, "peer gone") is True and broken == ["peer gone"] and aborted == [1]
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

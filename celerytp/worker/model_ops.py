@@ -18,7 +18,7 @@ from celerytp.core.registry import LOAD_FIELDS, model_record
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.tokenizer import Tokenizer, load_tokenizer
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, refuse_step_penalties, sampling_params
-from celerytp.models import load_model
+from celerytp.models import CausalLM, load_model
 from celerytp.models.half_precision import check_half_precision
 from celerytp.models.loader import prepare_decode
 from celerytp.quant.plan import quant_summary
@@ -146,6 +146,15 @@ def _agree(state: RankState, failure: CeleryTPError | None) -> None:
         raise
 
 
+def _agree_on_context(state: RankState, model: CausalLM) -> None:
+    """Every rank takes the smallest max_context of the group's: a cache sized from each rank's own
+    free memory (models/kv_budget.py) may hold more positions on one, and the ranks must refuse
+    a request alike."""
+    least = int(state.collective(lambda: state.control.all_reduce(torch.tensor([model.max_context]), "min"))[0])
+    if least < model.max_context:
+        model.resize_context(least)
+
+
 def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     if request.model_id in state.models:
         raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
@@ -173,6 +182,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     try:
         _agree(state, failure)
         try:
+            _agree_on_context(state, model)
             with mapped_weights():
                 prepare_decode(model, progress.stage)
         except Exception as exc:  # noqa: BLE001

@@ -260,8 +260,9 @@ class ServingLoop:
 
     def _within_sync_budget(self, forward: Callable[[], Scores | None]) -> Scores | None:
         """The step's forwards and scores; with CELERYTP_SYNC_CHECK=1, counted (worker/host_syncs.py,
-        totals in `host_waits`) and failed when the host waited for the device more than once on rank 0 (its one packed
-        copy of what sampling needs) or at all elsewhere. Checked after the step's last collective."""
+        totals in `host_waits`) and failed when the host waited for the device more than once on
+        rank 0 (its one packed copy of what sampling needs) or at all elsewhere. Checked after the
+        step's last collective."""
         if not self.sync_check:
             return forward()
         with HostSyncs() as syncs:
