@@ -21,8 +21,3 @@ def test_kombus_brpop_read_is_the_one_the_gate_copied():
 
 def test_torchs_group_counter_is_where_init_resets_it():
     assert isinstance(dist.distributed_c10d._world.group_count, int)  # worker/state.py form_group
-
-
-def test_torchs_default_group_can_be_aborted():
-    assert callable(dist.distributed_c10d._get_default_group)  # worker/state.py abort_model_group
-    assert callable(dist.ProcessGroup.abort)

@@ -211,29 +211,3 @@ def test_cuda_attention_is_the_memory_efficient_backend_with_its_query_heads_fol
         for mask in (decode, prefill, None):
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=heads != kv_heads)
             torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.25), expected, atol=1e-6, rtol=1e-5)
-
-
-def test_a_lost_peer_aborts_an_nccl_communicator_and_leaves_a_gloo_rank_to_exit(tmp_path, monkeypatch):
-    """What a rank does when its watchdog finds a peer gone mid-op (worker/state.py
-    `abort_model_group`). gloo is real here (world size 1): its `abort` cannot wake a waiting
-    thread, so nothing is aborted and the watchdog exits the worker as before. NCCL cannot run
-    here: the backend's name and the default group are stood in for, to check that an NCCL group's
-    communicator is aborted and the group marked broken."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    from celerytp.worker.state import RankState
-
-    broken = []
-    rank = SimpleNamespace(mark_broken=broken.append)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        assert RankState.abort_model_group(rank, "peer gone") is False and broken == []
-        aborted = []
-        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-        monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: SimpleNamespace(abort=lambda: aborted.append(1)))
-        assert RankState.abort_model_group(rank, "peer gone") is True and broken == ["peer gone"] and aborted == [1]
-    finally:
-        monkeypatch.undo()
-        dist.destroy_process_group()

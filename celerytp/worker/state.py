@@ -156,22 +156,6 @@ class RankState:
         except redis.RedisError as exc:  # the leaders also see the op's error itself
             log.warning("could not report the broken group: %s", exc)
 
-    def abort_model_group(self, why: str) -> bool:
-        """After a peer was lost mid-op: abort the model group's communicator where the backend can
-        wake a rank waiting in it (NCCL), marking the group broken; the op then fails as a lost
-        rank and the worker stays. False where it cannot (gloo: `abort` returns, but a thread already
-        waiting waits on; worker/watchdog.py then exits the worker)."""
-        if not dist.is_initialized() or dist.get_backend() != "nccl":
-            return False
-        self.mark_broken(why)
-        try:
-            dist.distributed_c10d._get_default_group().abort()
-        except Exception as exc:  # noqa: BLE001 - the watchdog exits the worker instead
-            log.warning("aborting the NCCL communicator: %s", exc)
-            return False
-        log.warning("aborted the NCCL communicator: %s", why)
-        return True
-
     def run_model(self, fn: Callable[[], Any]) -> Any:
         """Run model code (forwards and their collectives); any failure of it is forward_failed."""
         try:
@@ -194,10 +178,10 @@ class RankState:
         dist.distributed_c10d._world.group_count = 0
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
-            # NCCL's own watchdog, past the group's timeout, aborts the communicator and fails the
-            # op (2: clean up only) rather than killing the process: the op's error marks the group
-            # broken and the healer re-forms it, as a lost peer does (worker/watchdog.py).
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            # Past the group's timeout NCCL's watchdog tears the process down (3), never leaves it
+            # running on a communicator whose aborted collectives left their outputs undefined
+            # (docs/reliability.md); a lost peer is met sooner by worker/watchdog.py.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         store = RedisStore(self.redis, rendezvous_prefix(self.config.group, comm_id), timedelta(seconds=timeout_s))
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
         try:

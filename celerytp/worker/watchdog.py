@@ -7,11 +7,6 @@ So while this rank runs a collective op, a thread watches the peers' heartbeat k
 is gone or replaced, this worker exits with exits.PEER_LOST and its supervisor starts it
 clean. The leader meanwhile names the lost rank (client/leader.py) and re-forms the group once
 every rank is live again.
-
-On NCCL the model group's communicator can be aborted from here (ncclCommAbort), which wakes the
-rank's blocked op with an error: the worker then stays, its group marked broken, unless the op is
-still blocked ABORT_GRACE_S later (a wait on the gloo control group, which abort cannot wake:
-tested, torch 2.13), when it exits as on gloo.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from celerytp.worker import exits
 from celerytp.worker.state import RankState
 
 log = logging.getLogger(__name__)
-ABORT_GRACE_S = 5.0
 
 
 class PeerWatchdog:
@@ -50,16 +44,5 @@ class PeerWatchdog:
             lost = self._watch.lost(peers)
             if lost and state.in_collective_op:
                 why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(lost.items()))
-                if state.abort_model_group(f"a peer of this collective op is gone ({why})") and self._op_ends():
-                    continue
                 self._on_exit()
                 exits.exit_now(exits.PEER_LOST, f"a peer of this collective op is gone ({why})")
-
-    def _op_ends(self) -> bool:
-        """Whether the rank's op left its collective within ABORT_GRACE_S of an abort."""
-        waited = threading.Event()
-        for _ in range(int(ABORT_GRACE_S / 0.1)):
-            if not self._state.in_collective_op:
-                return True
-            waited.wait(0.1)
-        return not self._state.in_collective_op
