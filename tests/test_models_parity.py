@@ -193,3 +193,36 @@ def test_the_kv_cache_is_sized_from_the_memory_left_after_the_weights(cases: dic
     assert small.model.rotary_embs[0].cos.shape[0] == small.max_context
     with pytest.raises(CeleryTPError, match="kv_memory_fraction"):
         load_model(case.path, TPContext(), kv_memory_fraction=40 * per_position / available, max_context=100)
+
+
+AGREE_RANK = """
+import os, sys, types, torch, torch.distributed as dist
+from celerytp.distributed.control import ControlGroup
+from celerytp.distributed.tp import TPContext
+from celerytp.models import load_model
+from celerytp.worker.model_ops import _agree_on_context
+rank, path, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+model = load_model(path, TPContext(rank, 2), max_context=(64, 48)[rank])  # as if each rank's memory fit another
+state = types.SimpleNamespace(control=ControlGroup.on_default_group(rank, 2), collective=lambda fn: fn())
+_agree_on_context(state, model)
+cache = model.model.layers[0].self_attn.kv_cache.k.shape[2]
+print(model.max_context, cache, model.model.rotary_embs[0].cos.shape[0], flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_ranks_agree_on_the_smallest_context_their_memory_fits(cases: dict[str, Case], tmp_path) -> None:
+    """Each rank sizes its cache from its own free memory, so two may fit different contexts; a
+    load's ranks then all take the smallest (worker/model_ops.py), cache and rotary tables
+    resized, so that every rank refuses a request alike. Two real ranks on a gloo group."""
+    import subprocess
+    import sys
+
+    ranks = [subprocess.Popen([sys.executable, "-c", AGREE_RANK, str(r), str(cases["llama_gqa_bias"].path),
+                               str(tmp_path / "init")], stdout=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0]
+    assert [out.split() for out in outs] == [["48", "49", "48"]] * 2  # positions, cache (+ scratch), rotary
