@@ -121,7 +121,7 @@ def part_syncs(args: argparse.Namespace) -> dict:
     from celerytp.models import load_model
     from celerytp.worker.serving import ListSource, ServingLoop
 
-    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1)
     device = torch.device(args.device)
     model = load_model(str(tiny()), TPContext(), device=device, max_batch=16)
     specs = [GenSpec(request_id=f"r{i}", prompt=list(range(5, 12 + i)), max_tokens=24,
@@ -196,7 +196,8 @@ def hf_directory(folder: Path, dtype) -> Path:
 
 def part_tp2(args: argparse.Namespace) -> dict:
     """Two ranks on one device, the model group gloo (over CUDA tensors on a GPU)."""
-    path, init = tiny(), tempfile.mktemp()
+    path = tiny()
+    init = path.parent / "init"  # the ranks' rendezvous file
     ranks = [subprocess.Popen([sys.executable, __file__, "--part", "tp2_rank", "--index", str(r), "--init", init,
                                "--device", args.device, "--model", str(path)], stdout=subprocess.PIPE, text=True)
              for r in range(2)]

@@ -82,7 +82,7 @@ class CacheSlots:
         length = max(live) + 1 if live else 1
         ragged = masked or len(live) < len(positions) or min(live) != length - 1
         if bucketed:
-            length, ragged = min(bucket(max(length, 16)), scratch + 1), True
+            length, ragged = keys_bucket(length, scratch + 1), True
         pos, on = to_device([positions, active], device)  # (R,) each: one copy
         on = on.bool()
         mask = None
@@ -110,6 +110,12 @@ class CacheSlots:
 def bucket(n: int) -> int:
     """The smallest power of two >= n."""
     return 1 << (n - 1).bit_length()
+
+
+def keys_bucket(n: int, limit: int) -> int:
+    """How many keys a step reads on the device path to attend to `n`: the next power of two
+    from 16, at most `limit` (what the cache holds)."""
+    return min(bucket(max(n, 16)), limit)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

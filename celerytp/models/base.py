@@ -14,7 +14,7 @@ from celerytp.core.switches import DEVICE_PATH_ENV, INVARIANT_ENV, switch
 from celerytp.distributed.tp import TPContext
 from celerytp.layers import packed_linear
 from celerytp.layers.host_transfer import to_device
-from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket
+from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket, keys_bucket
 from celerytp.layers.moe import RoutedExperts
 from celerytp.layers.rotary import RotaryEmbedding
 from celerytp.loading.checkpoint import Checkpoint
@@ -157,7 +157,7 @@ class CausalLM(nn.Module):
         padded, keys = n, offset + n
         if self.prefill_buckets:  # pad positions hold junk keys past the row's own, masked until overwritten
             padded = min(bucket(n), self.max_context - offset)
-            keys = min(bucket(max(offset + padded, 16)), self.max_context)  # decode's buckets
+            keys = keys_bucket(offset + padded, self.max_context)
             tokens = torch.cat([tokens.long(), tokens.new_zeros(padded - n, dtype=torch.long)])
         ids = to_device(tokens.long(), self.device)[None]  # (1, T)
         h = self.model(ids, CacheSlots.prefill(row, offset, padded, self.device, keys))  # (1, T, D)

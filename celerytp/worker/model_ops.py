@@ -181,8 +181,8 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     # collectives a rank that failed would never meet), and every rank is ready before any commits.
     try:
         _agree(state, failure)
+        _agree_on_context(state, model)  # a collective: its failure is the group's, not this load's
         try:
-            _agree_on_context(state, model)
             with mapped_weights():
                 prepare_decode(model, progress.stage)
         except Exception as exc:  # noqa: BLE001

@@ -548,8 +548,8 @@ class ServingLoop:
         target_logit = torch.where(inside[:, None], here, torch.zeros_like(here))
         n = seq.spec.prompt_logprobs
         values, ids, lse, extra = self.model.top_candidates(local, max(n, 1), target_logit, lse=True)
-        # read with the step's scores (`_on_host`), in its one copy
-        self._prompt_pieces.append((seq, n, (extra.sum(1)[:, 0] - lse, values[:, :n] - lse[:, None], ids[:, :n])))
+        if self.is_sampler:  # read with the step's scores (`_on_host`), in its one copy
+            self._prompt_pieces.append((seq, n, (extra.sum(1)[:, 0] - lse, values[:, :n] - lse[:, None], ids[:, :n])))
 
     def _prefilled(self, seq: Sequence, end: int) -> None:
         self.row_tokens[seq.row].extend(seq.feed[seq.fed : end])
@@ -584,7 +584,6 @@ class ServingLoop:
         """Rank 0: what it samples from (`parts`, Scores fields) and the step's prompt
         log-probabilities, read from the device in one copy. Other ranks read nothing."""
         if not self.is_sampler:
-            self._prompt_pieces.clear()
             return scores
         named = {name: t for name, t in parts.items() if t is not None}
         pieces = [t for _, _, piece in self._prompt_pieces for t in piece]
