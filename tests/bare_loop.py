@@ -17,7 +17,9 @@ from celerytp.core.protocol import GenSpec
 from celerytp.distributed.control import ControlGroup
 from celerytp.distributed.tp import TPContext
 from celerytp.models import load_model
+from celerytp.worker.image_features import image_features
 from celerytp.worker.serving import ListSource, ServingLoop
+from pathlib import Path
 
 
 class Scripted(ListSource):
@@ -43,6 +45,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
 model = load_model(path, TPContext(rank, world), max_batch=int(sys.argv[7]))
 control = ControlGroup.on_default_group(rank, world)
+images = image_features(Path(path), model)  # a vision-language model's (None for a text model)
 runs, done = [], {}
 for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over cold rows
     model.clear_cache()
@@ -51,7 +54,7 @@ for specs, cancel in json.loads(sys.argv[6]):  # each run: a fresh loop over col
             rid, n = spec.pop("resume")
             spec["resumed"] = done.get(rid, [])[:n]
     source = Scripted(specs, cancel) if rank == 0 else None
-    loop = ServingLoop(model, control, {}, 8, 0.0, source)
+    loop = ServingLoop(model, control, {}, 8, 0.0, source, image_features=images)
     stats = {**loop.run(), "host_waits": dict(loop.host_waits)}
     if rank == 0:
         rows = {rid: {"error": [str(f.error.kind), f.error.message]} if f.error is not None else

@@ -7,6 +7,7 @@ Both sample with the same function, so greedy and seeded outputs are identical.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from bisect import bisect_right
@@ -16,6 +17,8 @@ from typing import Any, Protocol
 
 from celerytp.client.requests import Done, PendingRequest
 from celerytp.core.detokenize import IncrementalText
+from celerytp.core.images import encode as encode_images
+from celerytp.core.images import take_images
 from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_message
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.stopping import StopChecker, cut_at_stop
@@ -28,6 +31,7 @@ from celerytp.core.validation import (
     refuse_step_penalties,
     sampling_params,
 )
+from celerytp.core.vision_inputs import checkpoint_vision, expand_images
 
 DEFAULT_MAX_TOKENS = 256
 # A request that names no temperature samples at the model's generation_config.json, else at 1:
@@ -59,6 +63,7 @@ class GenerationResult:
     mode: str = "fused"
     queued_s: float = 0.0  # waiting for a free row (fused)
     reused_tokens: int = 0  # prompt tokens found already cached (prefix reuse)
+    images: int = 0  # images in the prompt (a vision-language model)
     logprobs: list | None = None  # per token: [logprob, [[id, logprob], ...]] when asked for
     # when asked for (`prompt_logprobs`): the prompt's ids and, per prompt token, the same entries (None first)
     prompt_token_ids: list[int] | None = None
@@ -149,6 +154,21 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int] | None, messages: l
     return tokenizer.encode(prompt)
 
 
+def tokenized(record: dict[str, Any], prompt: str | list[int] | None, messages: list[dict] | None,
+              tools: list[dict] | None = None, roots: list[str] | None = None) -> tuple[Tokenizer, list[int], list[bytes]]:
+    """The model's tokenizer, the prompt's ids and its images' bytes (a chat's image parts, taken
+    out and checked first: core/images.py; each image's token repeated for its features).
+    `roots`: where image paths may point (a Leader caller's; none from the wire)."""
+    images: list[bytes] = []
+    vision = checkpoint_vision(record["path"])
+    if isinstance(messages, list):
+        messages, images = take_images(messages, vision is not None, roots=roots or [])
+    check_prompt_text(prompt, messages, tools, record["max_context"])  # before any tokenizing
+    tokenizer = load_tokenizer(record["path"])
+    ids = expand_images(prompt_ids(tokenizer, prompt, messages, tools), vision, len(images))
+    return tokenizer, ids, images
+
+
 def prepare(
     record: dict[str, Any],
     prompt: str | list[int] | None = None,
@@ -181,9 +201,7 @@ def prepare(
     asks for the prompt tokens' log-probabilities too.
     """
     started = time.perf_counter()
-    check_prompt_text(prompt, messages, tools, record["max_context"])  # before any tokenizing
-    tokenizer = load_tokenizer(record["path"])
-    ids = prompt_ids(tokenizer, prompt, messages, tools)
+    tokenizer, ids, images = tokenized(record, prompt, messages, tools, roots=[_model_directory(record["path"])])
     given = {
         "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty, "logit_bias": logit_bias,
@@ -202,12 +220,18 @@ def prepare(
         spec["grammar"] = grammar
     if prompt_logprobs is not None:
         spec["prompt_logprobs"] = prompt_logprobs
+    if images:
+        spec["images"] = encode_images(images)
     check_spec(record, spec)
     room = record["max_context"] - len(ids)
     if max_tokens is not None and max_tokens > room:  # asked for: refused, not clamped (as vLLM)
         raise bad_request("max_tokens", f"{max_tokens} new tokens after the prompt's {len(ids)} exceed the context "
                                         f"limit {record['max_context']}; ask for at most {room}")
     return Prepared(tokenizer, spec, params, spec["stop"], started)
+
+
+def _model_directory(path: str) -> str:
+    return path if os.path.isdir(path) else os.path.dirname(path)
 
 
 def check_spec(record: dict[str, Any], spec: dict[str, Any]) -> None:
@@ -225,7 +249,7 @@ def finish(prepared: Prepared, row: RowResult, mode: str) -> GenerationResult:
         total_s=time.perf_counter() - prepared.started, mode=mode, queued_s=row.queued_s,
         reused_tokens=row.reused_tokens, logprobs=row.logprobs, token_gaps_s=row.token_gaps_s, resumed=row.resumed,
         prompt_token_ids=None if row.prompt_logprobs is None else prepared.spec["prompt"],
-        prompt_logprobs=row.prompt_logprobs,
+        prompt_logprobs=row.prompt_logprobs, images=len(prepared.spec.get("images", ())),
     )
 
 

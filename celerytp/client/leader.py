@@ -244,7 +244,9 @@ class Leader:
         mode: str = "fused", **options
     ) -> GenerationResult:
         """Generate one completion from `prompt` (raw text, or token ids as they are) or `messages`
-        (chat template applied).
+        (chat template applied). A message's content may hold images on a vision-language
+        model (fused mode): OpenAI's `{"type": "image_url", "image_url": {"url": "data:..."}}`, or
+        `{"type": "image", "image": <the file's bytes, or its path in the model's directory>}`.
 
         Options: max_tokens, temperature, top_k, top_p, repetition_penalty, presence_penalty,
         frequency_penalty, logit_bias ({token id: bias}), min_p, seed, logprobs, prompt_logprobs
@@ -261,6 +263,8 @@ class Leader:
         prepared = prepare(record, prompt=prompt, messages=messages, **options)
         if mode == "step" and "prompt_logprobs" in prepared.spec:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'prompt_logprobs': fused mode only")
+        if mode == "step" and "images" in prepared.spec:
+            raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'messages': images are taken in fused mode only")
         if mode == "step":
             row = run_steps(partial(self.step, model_id), prepared, record["max_context"])
         else:

@@ -100,6 +100,9 @@ class StepRequest(Request):
 RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
+MAX_IMAGE_B64 = 64 << 20  # base64 characters of one image on the wire (the leader's limits are lower)
+
+
 class GenSpec(Message):
     """One generation request, as a leader queues it for a model's serving loop (tokenized)."""
 
@@ -121,6 +124,9 @@ class GenSpec(Message):
     # The prompt tokens' log-probabilities, with this many alternatives per position (0..20);
     # None: not asked. Such a row is prefilled alone and cold (worker/serving.py `_prompt_scores`).
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # A vision-language model's images (core/images.py): each file's bytes in base64, in the
+    # order of their runs of image tokens in `prompt`. Every rank decodes them itself.
+    images: Annotated[list[Annotated[str, Field(max_length=MAX_IMAGE_B64)]], Field(max_length=64)] = []
 
 
 LoopId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]

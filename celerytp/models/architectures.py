@@ -17,6 +17,7 @@ from celerytp.models.decoder import DecoderForCausalLM
 from celerytp.models.dense_archs import mistral_fields, qwen2_fields
 from celerytp.models.gemma3 import Gemma3ForCausalLM, gemma3_fields
 from celerytp.models.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig
+from celerytp.models.llava import LlavaForCausalLM
 from celerytp.models.moe_archs import MixtralForCausalLM, MoeDecoderForCausalLM, mixtral_fields, qwen3_moe_fields
 from celerytp.models.phi3 import Phi3ForCausalLM, phi3_fields
 from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
@@ -30,6 +31,24 @@ def llama_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 def qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return llama_fields(d) | {"qk_norm": True}
+
+
+LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")
+
+
+def llava_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A llava config.json: its text_config's fields (a llama, mistral or qwen2), the whole
+    config for the vision tower (models/vision.py)."""
+    text = dict(d.get("text_config") or {})
+    text_type = text.setdefault("model_type", "llama")
+    if text_type not in LLAVA_TEXT_TYPES:
+        raise CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, f"llava text_config model_type {text_type!r} is not one of "
+                                                        f"{', '.join(LLAVA_TEXT_TYPES)}")
+    if d.get("tie_word_embeddings") is not None:  # the top level's wins, as in transformers
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    return ARCHITECTURES[text_type].fields(text) | {
+        "model_type": "llava", "weight_prefix": "model.language_model.", "vision_config": d,
+    }
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture(Gemma3ForCausalLM, gemma3_fields),
     "qwen3_moe": Architecture(MoeDecoderForCausalLM, qwen3_moe_fields),
     "mixtral": Architecture(MixtralForCausalLM, mixtral_fields),
+    "llava": Architecture(LlavaForCausalLM, llava_fields),
     "qwen3_next": Architecture(Qwen3NextForCausalLM),
     "qwen3_5": Architecture(Qwen3_5ForCausalLM),
     "qwen3_5_text": Architecture(Qwen3_5ForCausalLM),

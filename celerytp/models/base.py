@@ -11,6 +11,7 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.switches import DEVICE_PATH_ENV, INVARIANT_ENV, switch
+from celerytp.core.vision_inputs import VisionInputs
 from celerytp.distributed.tp import TPContext
 from celerytp.layers import packed_linear
 from celerytp.layers.host_transfer import to_device
@@ -68,6 +69,8 @@ class CausalLM(nn.Module):
 
     # Several rows' prompts can share one padded prefill (recurrent state cannot: padding would enter it).
     batched_prefill = True
+    # A vision-language model's image token and places per image (core/vision_inputs.py); None: text only.
+    vision: VisionInputs | None = None
     # Checkpoint matrices packed into one of our parameters, in packing order (vLLM style).
     quant: str | None = None  # the format load_model kept the linears in ("gguf": each tensor's own type)
     packed_modules_mapping: dict[str, tuple[str, ...]] = {
@@ -133,7 +136,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_tokens(
-        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int | None = None, gather: bool = True
+        self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int | None = None, gather: bool = True,
+        embeds: tuple[list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run tokens (T,) of cache row `row` (default: step mode's) at positions offset..offset+T-1.
 
@@ -141,6 +145,8 @@ class CausalLM(nn.Module):
         last position when `last_only` (saves a (T, vocab) matrix on long prompts). With
         `gather=False` every method here returns this rank's vocabulary slice of the logits
         (the serving loop reduces the slices itself, layers/vocab_parallel.py `top_candidates`).
+        `embeds`: (indices into `tokens`, rows (K, hidden)) that take those tokens' embeddings'
+        places (a vision-language model's image features).
         """
         row = self.step_row if row is None else row
         if tokens.dim() != 1 or tokens.numel() == 0:
@@ -160,7 +166,8 @@ class CausalLM(nn.Module):
             keys = keys_bucket(offset + padded, self.max_context)
             tokens = torch.cat([tokens.long(), tokens.new_zeros(padded - n, dtype=torch.long)])
         ids = to_device(tokens.long(), self.device)[None]  # (1, T)
-        h = self.model(ids, CacheSlots.prefill(row, offset, padded, self.device, keys))  # (1, T, D)
+        slots = CacheSlots.prefill(row, offset, padded, self.device, keys)
+        h = self.model(ids, slots) if embeds is None else self.model(ids, slots, embeds)  # (1, T, D)
         h = h[:, n - 1 : n] if last_only else h[:, :n]
         logits = self.lm_head(h, gather=gather)[0].float()  # (T, V)
         self.cache_lens[row] = offset + n

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
@@ -40,6 +40,7 @@ class ModelConfig:
         moe_layers: layers whose MLP is a routed sparse MoE block (none: dense only), with
             num_experts, num_experts_per_tok, moe_intermediate_size and norm_topk_prob.
         weight_prefix: where the text model's weights live (`model.` or `model.language_model.`).
+        vision_config: a vision-language checkpoint's config.json (None: a text model).
     """
 
     model_type: str
@@ -74,6 +75,8 @@ class ModelConfig:
     weight_prefix: str = "model."
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # A vision-language checkpoint's whole config.json (its vision tower's settings: models/vision.py)
+    vision_config: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         require_positive(

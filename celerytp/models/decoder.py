@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from celerytp.layers.attention import Attention, AttentionSpec
+from celerytp.layers.host_transfer import to_device
 from celerytp.layers.hybrid_norm import ZeroCenteredRMSNorm
 from celerytp.layers.kv_cache import CacheSlots
 from celerytp.layers.mlp import SwiGLUMLP
@@ -108,10 +109,14 @@ class DecoderModel(nn.Module):
         # Compiled decode (models/compiled.py): `run_layers` over consecutive runs of the layers.
         self.decode_runs: list[Callable[..., torch.Tensor]] | None = None
 
-    def forward(self, ids: torch.Tensor, slots: CacheSlots) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, slots: CacheSlots,
+                embeds: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         h = self.embed_tokens(ids)  # (B, T, D)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)  # rounded to the weights' dtype, as gemma does
+        if embeds is not None:  # image features in their tokens' places (one row: CausalLM.forward_tokens)
+            at, rows = embeds
+            h[0, to_device(at, h.device)] = rows.to(h.dtype)
         tables = []
         for rotary in self.rotary_embs:
             cos, sin = rotary(slots.positions, h.dtype)  # (B, T, rotary_dim) each

@@ -27,6 +27,7 @@ from celerytp.loading.checkpoint import Checkpoint
 from celerytp.models.base import BuildOptions, Progress
 from celerytp.models.config import LAYER_TYPES, ModelConfig, common_fields, rope_config
 from celerytp.models.decoder import DecoderForCausalLM, DecoderLayer, norm_class
+from celerytp.models.multimodal_layout import LanguageModelLayout
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,10 @@ TEXT_DEFAULTS: dict[str, Any] = {
 }
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig.default_theta
 # model_type -> where its text model's weights live (transformers' module names; the saved layout
-# `language_model.model.` is recognised at load, see Gemma3ForCausalLM.load_weights).
+# `language_model.model.` is recognised at load: models/multimodal_layout.py).
 WEIGHT_PREFIX = {"gemma3_text": "model.", "gemma3": "model.language_model."}
 # The multimodal checkpoint's other parts, skipped: the SigLIP tower and the projector.
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-# How transformers (save_pretrained) and the hub store Gemma3ForConditionalGeneration's text model.
-SAVED_PREFIX, SAVED_LM_HEAD = "language_model.model.", "language_model.lm_head.weight"
 
 
 def gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -153,42 +152,17 @@ class Gemma3DecoderLayer(DecoderLayer):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3ForCausalLM(DecoderForCausalLM):
-    """Gemma 3's text model; of a multimodal checkpoint, the vision tower and projector are skipped.
-
-    A multimodal checkpoint stores the text model as `language_model.model.*` (hub files and
-    transformers' save_pretrained) or `model.language_model.*` (transformers' module names);
-    load_weights reads whichever the checkpoint has.
-    """
+class Gemma3ForCausalLM(LanguageModelLayout, DecoderForCausalLM):
+    """Gemma 3's text model; of a multimodal checkpoint, the vision tower and projector are skipped
+    (its text model's layout: models/multimodal_layout.py)."""
 
     decoder_layer_cls = Gemma3DecoderLayer
 
-    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
-        super().__init__(config, options)
-        self._saved_layout = False  # set by load_weights when the checkpoint uses SAVED_PREFIX
-
-    def checkpoint_table(self) -> dict[str, Any]:
-        table = super().checkpoint_table()
-        if not self._saved_layout:
-            return table
-        prefix = self.config.weight_prefix
-        return {_saved_name(name, prefix): entry for name, entry in table.items()}
-
     def is_ignorable(self, name: str) -> bool:
-        if name == SAVED_LM_HEAD and self.config.tie_word_embeddings:
-            return True
         return super().is_ignorable(name) or name.startswith(VISION_PREFIXES)
 
     def load_weights(self, checkpoint: Checkpoint, progress: Progress | None = None) -> set[str]:
-        names = checkpoint.names()
-        self._saved_layout = self.config.weight_prefix != "model." and any(n.startswith(SAVED_PREFIX) for n in names)
-        vision = sum(n.startswith(VISION_PREFIXES) for n in names)
+        vision = sum(n.startswith(VISION_PREFIXES) for n in checkpoint.names())
         if vision:
             log.info("%s: text model only; skipping %d vision tower and projector tensors", checkpoint.path, vision)
         return super().load_weights(checkpoint, progress)
-
-
-def _saved_name(name: str, prefix: str) -> str:
-    if name.startswith(prefix):
-        return SAVED_PREFIX + name[len(prefix) :]
-    return SAVED_LM_HEAD if name == "lm_head.weight" else name

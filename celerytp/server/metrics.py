@@ -73,6 +73,7 @@ def record_served(client: redis.Redis, model_id: str, result: Any) -> None:
     tally["prompt_tokens"] += result.prompt_tokens
     tally["generation_tokens"] += result.completion_tokens
     tally["preemptions"] += int(bool(getattr(result, "resumed", False)))
+    tally["images"] += getattr(result, "images", 0)
     if result.completion_tokens:
         _observe(tally, "ttft", result.ttft_s, sums)
     for gap in getattr(result, "token_gaps_s", None) or ():
@@ -141,6 +142,7 @@ class ServedCollector:
                                         "tokens generated (older name of celerytp_generation_tokens)", labels=["model"])
         preempted = CounterMetricFamily("celerytp_num_preemptions",
                                         "requests resumed after the group running them failed", labels=["model"])
+        images = CounterMetricFamily("celerytp_images", "images in the prompts of finished requests", labels=["model"])
         for model, c in counts.items():
             for reason in FINISH_REASONS:
                 success.add_metric([model, reason], c.get(f"finished:{reason}", 0))
@@ -149,7 +151,8 @@ class ServedCollector:
             generation.add_metric([model], c.get("generation_tokens", 0))
             generated.add_metric([model], c.get("generation_tokens", 0))
             preempted.add_metric([model], c.get("preemptions", 0))
-        yield from (success, finished, prompt, generation, generated, preempted)
+            images.add_metric([model], c.get("images", 0))
+        yield from (success, finished, prompt, generation, generated, preempted, images)
         for key, (name, help_text, bounds) in HISTOGRAMS.items():
             family = HistogramMetricFamily(name, help_text, labels=["model"])
             for model, c in counts.items():

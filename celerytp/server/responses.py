@@ -137,7 +137,8 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _text(content: Any, field: str) -> Any:
-    """A message's content: a string, or its text parts (`input_text`, `output_text`) as chat text parts."""
+    """A message's content: a string, or its parts as chat parts (`input_text`, `output_text`: text;
+    `input_image`: an image)."""
     if not isinstance(content, list):
         return content  # a string, or what the chat schema refuses by name
     parts = []
@@ -145,10 +146,15 @@ def _text(content: Any, field: str) -> Any:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
             parts.append({"type": "text", "text": part.get("text")})
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{field}[{j}]", f"{kind} is not supported by this server (text models only)")
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):  # a data URL (core/images.py)
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "input_image":
+            raise bad_request(f"{field}[{j}].image_url", "a data URL (data:image/png;base64,...) is required "
+                                                         "(file_id is not supported)")
+        elif kind in ("input_file", "input_audio"):
+            raise bad_request(f"{field}[{j}]", f"{kind} is not supported by this server")
         else:
-            raise bad_request(f"{field}[{j}].type", "input_text or output_text is required")
+            raise bad_request(f"{field}[{j}].type", "input_text, input_image or output_text is required")
     return parts
 
 

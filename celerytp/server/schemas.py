@@ -30,6 +30,20 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str  # a data URL (core/images.py); a remote one is refused by name
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image content part, for a vision-language model."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # JSON, as OpenAI sends it
@@ -45,13 +59,18 @@ class ToolCall(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (server/tools.py `history`)
     tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it: text parts joined; with images, the parts in
+        order (core/images.py takes the images out)."""
+        role = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            return {"role": role, "content": [p.model_dump(exclude_none=True) for p in self.content]}
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return {"role": role, "content": content}
 
 
 # OpenAI (and vLLM) request fields this server does not implement, each with the value that means

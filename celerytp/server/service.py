@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from celerytp.client.generation import GenerationResult, TokenStream, check_prompt_text, prompt_ids
+from celerytp.client.generation import GenerationResult, TokenStream, tokenized
 from celerytp.client.leader import Leader
 from celerytp.client.registry import replicas
 from celerytp.core.errors import CeleryTPError, ErrorKind
@@ -94,8 +94,7 @@ class Service:
     def tokenize(self, model_id: str, prompt: str | None, messages: list[dict] | None) -> dict[str, Any]:
         """vLLM's /tokenize answer: the ids a completion (`prompt`) or a chat (`messages`) would feed."""
         record = self.models()[model_id]
-        check_prompt_text(prompt, messages, None, record["max_context"])  # before tokenizing
-        ids = prompt_ids(load_tokenizer(record["path"]), prompt, messages)
+        _, ids, _ = tokenized(record, prompt, messages)
         return {"count": len(ids), "max_model_len": record["max_context"], "tokens": ids}
 
     def detokenize(self, model_id: str, tokens: list[int]) -> dict[str, str]:

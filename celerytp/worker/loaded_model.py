@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from celerytp.core.tokenizer import Tokenizer
 from celerytp.models import CausalLM
+from celerytp.worker.image_features import ImageFeatures
 from celerytp.worker.sampling import RowSampler
 
 
@@ -24,6 +25,7 @@ class LoadedModel:
     row_tokens: dict[int, list[int]] = field(default_factory=dict)  # served rows: tokens in each (prefix reuse)
     tokenizer: Tokenizer | None = None  # rank 0: read and checked at load (stop strings); None: ids only
     memory: dict[str, int] = field(default_factory=dict)  # bytes: "weights" and "kv_cache" (worker/memory.py)
+    images: ImageFeatures | None = None  # a vision-language model's image encoder (every rank)
 
     def reset_sequence(self) -> None:
         """Forget step mode's sequence; the served rows are not touched."""

@@ -23,6 +23,7 @@ from celerytp.models.half_precision import check_half_precision
 from celerytp.models.loader import prepare_decode
 from celerytp.quant.plan import quant_summary
 from celerytp.worker.heap import mapped_weights, release_memory
+from celerytp.worker.image_features import image_features
 from celerytp.worker.loaded_model import LoadedModel
 from celerytp.worker.sampling import (
     SLICE_DRAW,
@@ -160,7 +161,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
     dtype_name = request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
     started = time.monotonic()
-    model, tokenizer, failure = None, None, None
+    model, tokenizer, images, failure = None, None, None, None
     progress = ProgressReporter(state, request.model_id)
     try:
         path = confine(request.path, state.config.model_roots)
@@ -175,6 +176,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
                 quant=request.quant, kv_cache_bytes=request.kv_cache_bytes, kv_memory_fraction=request.kv_memory_fraction,
                 kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False,
             )
+            images = image_features(path, model)
     except Exception as exc:  # noqa: BLE001 - a broken file must not take the worker down
         failure = _load_failure(request, exc)
     # All ranks or none: every rank read its shard before any compiles decode (its warm-up runs
@@ -203,7 +205,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     )
     memory = model.memory_report()
     state.models[request.model_id] = LoadedModel(
-        model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer,
+        model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer, images=images,
         memory={"weights": memory["sharded_bytes"] + memory["replicated_bytes"], "kv_cache": memory["kv_cache_bytes"]},
     )
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS

@@ -39,7 +39,7 @@ def serve(state: RankState, request: p.ServeRequest) -> p.ServeResult:
     state.collective(lambda: state.control.agree(failure))
     decode = entry.tokenizer.decode if entry.tokenizer is not None else None  # read and checked at load
     loop = ServingLoop(entry.model, state.control, entry.row_tokens, entry.prefill_budget, entry.idle_s, source, decode,
-                       entry.tokenizer)
+                       entry.tokenizer, entry.images)
     started = time.perf_counter()
     try:
         stats = state.run_model(loop.run)

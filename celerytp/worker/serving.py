@@ -24,12 +24,15 @@ from typing import Protocol
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.images import check_image, content_keys
+from celerytp.core.images import decode as decode_images
 from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.step_clock import per_step_us, reset, timed
 from celerytp.core.stopping import StopChecker
 from celerytp.core.switches import SYNC_CHECK_ENV, switch
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, sampling_params
+from celerytp.core.vision_inputs import check_placeholders
 from celerytp.distributed.control import ControlGroup
 from celerytp.layers.host_transfer import to_device, to_host
 from celerytp.models import CausalLM
@@ -93,6 +96,12 @@ class Sequence:
     # every rank: the row prefilling the same prompt, whose cache this row copies when it is in
     # (n choices of one request, or equal prompts queued together) instead of computing it again
     source: Sequence | None = None
+    # every rank: `feed` as the cache's content (prefix reuse): an image's places keyed by its bytes
+    keys: list[int] = field(default_factory=list)
+    # every rank: a vision-language request's image features, one row per image token of its
+    # prompt (computed at its first prefill piece), and where those tokens sit in `feed`
+    image_rows: torch.Tensor | None = None
+    image_at: list[int] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -187,6 +196,8 @@ class ServingLoop:
         idle_s: how long the loop waits for work before it ends.
         source: rank 0's request queue and requesters (unused on other ranks).
         decode: token ids -> text, for stop strings (rank 0).
+        image_features: a vision-language model's images' bytes -> their features, one row per
+            image token (worker/image_features.py); None for a text model.
     """
 
     def __init__(
@@ -199,6 +210,7 @@ class ServingLoop:
         source: RequestSource | None = None,
         decode: Callable[[list[int]], str] | None = None,
         tokenizer: object | None = None,
+        image_features: Callable[[list[bytes]], torch.Tensor] | None = None,
     ):
         self.model = model
         self.invariant = False  # the model is batch-invariant on every rank: agreed in `run`
@@ -210,11 +222,12 @@ class ServingLoop:
         self.source = source
         self.decode = decode
         self.tokenizer = tokenizer  # rank 0: compiles requests' grammars (structured output)
+        self.image_features = image_features
         self._grammars: dict[str, RowGrammar] = {}  # rank 0: request id -> its matcher, until it has a row
         self.is_sampler = control.rank == 0
         self.running: dict[int, Sequence] = {}  # cache row -> its request
         self.stats = {"steps": 0, "requests": 0, "peak_rows": 0, "reused_tokens": 0, "shared_prompt_tokens": 0,
-                      "new_decode_shapes": 0}
+                      "new_decode_shapes": 0, "images": 0}
         self._news: list[tuple[int, int]] = [(NO_NEWS, 0)] * self.rows
         self._events = Events()
         self._yielding = False
@@ -352,7 +365,7 @@ class ServingLoop:
         either: every position's logits must be computed."""
         if (_seeded(spec) and not self.invariant) or spec.prompt_logprobs is not None:
             return 0
-        return self.model.reusable_prefix(self.row_tokens.get(row, []), self._feed(spec))
+        return self.model.reusable_prefix(self.row_tokens.get(row, []), self._keys(spec))
 
     def _feed(self, spec: GenSpec) -> list[int]:
         """The tokens a row prefills for `spec`: a resumed request's earlier tokens too, in one
@@ -363,10 +376,22 @@ class ServingLoop:
             return [*spec.prompt, *spec.resumed]
         return spec.prompt
 
+    def _keys(self, spec: GenSpec) -> list[int]:
+        """`spec`'s feed as a row's cache holds it: each image's places keyed by its content."""
+        feed = self._feed(spec)
+        if not spec.images:
+            return feed
+        vision = self.model.vision
+        keys = content_keys(feed[: len(spec.prompt)], vision.image_token_id, vision.tokens_per_image, spec.images)
+        return [*keys, *feed[len(spec.prompt) :]]
+
     def _check(self, spec: GenSpec) -> None:
         """What a rank must refuse before a request enters a row (the leader checked it too)."""
         check_tokens([*spec.prompt, *spec.resumed], max_context=self.model.max_context,
                      vocab_size=self.model.config.vocab_size, field="prompt")
+        check_placeholders(spec.prompt, self.model.vision, len(spec.images))
+        for i, image in enumerate(decode_images(spec.images)):  # so that no rank's prefill meets a bad one
+            check_image(image, f"images[{i}]")
         check_logit_bias(sampling_params(spec.sampling), self.model.config.vocab_size)
         if spec.stop and self.decode is None:
             raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
@@ -425,15 +450,16 @@ class ServingLoop:
                 self.stats["shared_prompt_tokens"] += reused
             else:
                 self.model.truncate(row, reused)
-            feed = self._feed(spec)
-            self.row_tokens[row] = list(feed[:reused])
+            feed, keys = self._feed(spec), self._keys(spec)
+            self.row_tokens[row] = list(keys[:reused])
             forced = [] if len(feed) > len(spec.prompt) else list(spec.resumed)
-            seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, feed, forced)
+            seq = Sequence(spec, sampling_params(spec.sampling), row, reused, reused, feed, forced, keys=keys)
             seq.source = next((s for s in self.running.values() if _shares_prefill(s, seq)), None)
             if self.is_sampler:
                 self._for_row(seq, lambda seq=seq: self._start(seq))
             self.running[row] = seq
             self.stats["requests"] += 1
+            self.stats["images"] += len(spec.images)
             self.stats["reused_tokens"] += reused
         self._admitting.clear()
 
@@ -505,7 +531,8 @@ class ServingLoop:
         seeded = [] if self.invariant else [s for s in waiting if _seeded(s.spec)]
         waiting = seeded + [s for s in waiting if s not in seeded]
         # a row that asks for its prompt's log-probabilities needs every position's logits
-        fresh = [] if seeded else [s for s in waiting if s.fed == 0 and s.spec.prompt_logprobs is None]
+        fresh = [] if seeded else [s for s in waiting if s.fed == 0 and s.spec.prompt_logprobs is None
+                                   and not s.spec.images]
         if self.model.batched_prefill and len(fresh) > 1 and sum(len(s.feed) for s in fresh) <= budget:
             # Short new prompts: one padded forward reads the weights once for all of them.
             logits = self.model.prefill_rows([s.feed for s in fresh], [s.row for s in fresh], gather=False)
@@ -523,7 +550,8 @@ class ServingLoop:
             if seeded and _seeded(seq.spec) and end < min(len(seq.feed), seq.fed + chunk):
                 continue  # another seeded row took part of the budget: a whole chunk in a later step
             piece = torch.tensor(seq.feed[seq.fed : end], dtype=torch.long)
-            logits = self.model.forward_tokens(piece, seq.fed, last_only=not every, row=seq.row, gather=False)
+            logits = self.model.forward_tokens(piece, seq.fed, last_only=not every, row=seq.row, gather=False,
+                                               embeds=self._images_in(seq, end))
             if every:
                 self._prompt_scores(seq, logits, end)
             budget -= end - seq.fed
@@ -551,8 +579,21 @@ class ServingLoop:
         if self.is_sampler:  # read with the step's scores (`_on_host`), in its one copy
             self._prompt_pieces.append((seq, n, (extra.sum(1)[:, 0] - lse, values[:, :n] - lse[:, None], ids[:, :n])))
 
+    def _images_in(self, seq: Sequence, end: int) -> tuple[list[int], torch.Tensor] | None:
+        """The image features of `seq`'s prefill piece feed[fed:end]: (their places in the piece, rows)."""
+        if not seq.spec.images:
+            return None
+        if seq.image_rows is None:
+            seq.image_rows = self.image_features(decode_images(seq.spec.images))  # (images x places, hidden)
+            token = self.model.vision.image_token_id
+            seq.image_at = [i for i, t in enumerate(seq.spec.prompt) if t == token]
+        picked = [(i - seq.fed, k) for k, i in enumerate(seq.image_at) if seq.fed <= i < end]
+        if not picked:
+            return None
+        return [at for at, _ in picked], seq.image_rows[[k for _, k in picked]]
+
     def _prefilled(self, seq: Sequence, end: int) -> None:
-        self.row_tokens[seq.row].extend(seq.feed[seq.fed : end])
+        self.row_tokens[seq.row].extend(seq.keys[seq.fed : end])
         seq.fed = end
 
     def _scores(self, seqs: list[Sequence], local: torch.Tensor | None) -> Scores | None:
@@ -728,7 +769,7 @@ def _shares_prefill(source: Sequence, seq: Sequence) -> bool:
     """Whether `seq` can take `source`'s prompt cache once it is in rather than compute it: the
     same prompt, still to come, and computed as `seq` would (a seeded row's is computed alone, so
     a copy is bit-exact); not for rows scoring every prompt position (their logits are needed)."""
-    return (source.source is None and source.prefilling and source.feed == seq.feed
+    return (source.source is None and source.prefilling and source.keys == seq.keys
             and _seeded(source.spec) == _seeded(seq.spec)
             and source.spec.prompt_logprobs is None and seq.spec.prompt_logprobs is None)
 
