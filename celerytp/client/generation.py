@@ -31,7 +31,7 @@ from celerytp.core.validation import (
     refuse_step_penalties,
     sampling_params,
 )
-from celerytp.core.vision_inputs import checkpoint_vision, expand_images
+from celerytp.core.vision_inputs import checkpoint_vision, image_prompt
 
 DEFAULT_MAX_TOKENS = 256
 # A request that names no temperature samples at the model's generation_config.json, else at 1:
@@ -165,8 +165,9 @@ def tokenized(record: dict[str, Any], prompt: str | list[int] | None, messages: 
         messages, images = take_images(messages, vision is not None, roots=roots or [])
     check_prompt_text(prompt, messages, tools, record["max_context"])  # before any tokenizing
     tokenizer = load_tokenizer(record["path"])
-    ids = expand_images(prompt_ids(tokenizer, prompt, messages, tools), vision, len(images))
-    return tokenizer, ids, images
+    if images:
+        return tokenizer, image_prompt(tokenizer, messages, tools, vision, len(images)), images
+    return tokenizer, prompt_ids(tokenizer, prompt, messages, tools), images
 
 
 def prepare(

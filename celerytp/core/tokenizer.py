@@ -75,6 +75,14 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a chat, ending with the assistant's generation prompt (`tools`: OpenAI's
         tool list, for a template that renders them)."""
+        return self.encode_rendered(self.render_chat(messages, tools))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat (the template writes its own BOS)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat as the model's template writes it, before tokenizing."""
         if not self.chat_template:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'messages': this model has no chat template; send a prompt")
         try:
@@ -83,7 +91,7 @@ class Tokenizer:
                                                        **self.special_tokens, **extra)
         except jinja2.TemplateError as exc:
             raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'messages': the chat template refused them: {exc}") from None
-        return self.backend.encode(text, add_special_tokens=False).ids  # the template writes its own BOS
+        return text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -6,31 +6,57 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from celerytp.core.tokenizer import Tokenizer
 from celerytp.core.validation import bad_request
 
-VISION_MODEL_TYPES = ("llava",)
 # transformers' defaults for what a llava config.json leaves out (LlavaConfig, CLIPVisionConfig)
 LLAVA_DEFAULTS = {"image_token_index": 32000, "vision_feature_select_strategy": "default"}
 CLIP_DEFAULTS = {"image_size": 224, "patch_size": 32, "model_type": "clip_vision_model"}
+# Gemma3Config's (transformers 5.25)
+GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
+                   "image_token_index": 262_144}
 
 
 @dataclass(frozen=True)
 class VisionInputs:
-    """image_token_id: the token a chat template renders for an image, and that the prompt
-    repeats `tokens_per_image` times in its place (one position per image feature)."""
+    """How a checkpoint's prompts hold images.
+
+    image_token_id: the token whose places take an image's features, `tokens_per_image` of them
+    per image. begin_token_id / end_token_id: where the chat template renders one begin token per
+    image (gemma3's `<start_of_image>`), which the processor expands to blank lines, begin, the
+    image tokens, end, blank lines; None where the template renders the image token itself (llava).
+    bidirectional: an image's tokens attend to each other both ways at prefill (gemma3).
+    """
 
     image_token_id: int
     tokens_per_image: int
+    begin_token_id: int | None = None
+    end_token_id: int | None = None
+    bidirectional: bool = False
+
+    def expansion(self, token_text: Callable[[int], str]) -> tuple[str, str]:
+        """(what the template renders per image, the text transformers' processor puts in its place)."""
+        image = token_text(self.image_token_id)
+        if self.begin_token_id is None:
+            return image, image * self.tokens_per_image
+        begin, end = token_text(self.begin_token_id), token_text(self.end_token_id)
+        return begin, f"\n\n{begin}{image * self.tokens_per_image}{end}\n\n"
 
 
 def vision_inputs(hf_config: dict[str, Any]) -> VisionInputs | None:
     """Of a config.json's contents; None for a text-only model."""
-    if hf_config.get("model_type") not in VISION_MODEL_TYPES:
+    model_type = hf_config.get("model_type")
+    if model_type == "gemma3" and hf_config.get("vision_config"):
+        d = {**GEMMA3_DEFAULTS, **hf_config}
+        return VisionInputs(int(d.get("image_token_id", d["image_token_index"])), int(d["mm_tokens_per_image"]),
+                            int(d["boi_token_index"]), int(d["eoi_token_index"]), bidirectional=True)
+    if model_type != "llava":
         return None
     d = {**LLAVA_DEFAULTS, **hf_config}
     vision = {**CLIP_DEFAULTS, **(d.get("vision_config") or {})}
@@ -56,20 +82,16 @@ def checkpoint_vision(path: str) -> VisionInputs | None:
     return _read(str(config_file), os.path.getmtime(config_file))
 
 
-def expand_images(ids: list[int], vision: VisionInputs | None, images: int) -> list[int]:
-    """A rendered chat's ids with each image token repeated for its image's features; a 400 when
-    the model takes no images or its template did not place each image."""
-    if not images:
-        return ids
-    if vision is None:
-        raise bad_request("messages", "this model takes no images (it is not a vision-language model)")
-    placed = ids.count(vision.image_token_id)
-    if placed != images:
-        raise bad_request("messages", f"the model's chat template placed {placed} image tokens for {images} images")
-    out: list[int] = []
-    for t in ids:
-        out.extend([t] * vision.tokens_per_image if t == vision.image_token_id else [t])
-    return out
+def image_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 vision: VisionInputs, images: int) -> list[int]:
+    """A chat with `images` images tokenized as transformers' processor does it: the template's
+    mark for each image replaced by the image's tokens (`VisionInputs.expansion`), then tokenized;
+    a 400 when the template did not mark each image."""
+    text = tokenizer.render_chat(messages, tools)
+    mark, expanded = vision.expansion(tokenizer.backend.id_to_token)
+    if text.count(mark) != images:
+        raise bad_request("messages", f"the model's chat template placed {text.count(mark)} images of {images}")
+    return tokenizer.encode_rendered(text.replace(mark, expanded))
 
 
 def check_placeholders(prompt: list[int], vision: VisionInputs | None, images: int) -> None:
