@@ -27,6 +27,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.secrets import mask_secrets
 
 if TYPE_CHECKING:
+    from celerytp.core.images import ImageLimits
     from celerytp.server.limits import RequestLimits
 
 
@@ -69,6 +70,26 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be within (0, 1], got {value}")
     return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds is required, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def domain_list(text: str) -> frozenset[str]:
+    """--allowed-media-domains: host names, comma-separated (core/images.py `media_domains`)."""
+    from celerytp.core.images import media_domains
+
+    try:
+        return media_domains(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 KV_FRACTION_HELP = ("the share of each rank's free memory after the weights its KV cache may take (a CPU: of the "
@@ -292,6 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
         kv_memory_fraction=args.kv_memory_fraction, frontend=not args.no_frontend, request_timeout=args.request_timeout,
         device=embedded_device_for(args), payload_limit=args.payload_limit, limits=request_limits(args),
+        images=image_limits(args),
     )
     if not args.broker:  # its own ranks start here
         checked_switches()
@@ -307,6 +329,20 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
     try:
         limits = RequestLimits.from_env(os.environ)
         given = {"schema_bytes": args.max_schema_bytes, "stop_chars": args.max_stop_chars}
+        return dataclasses.replace(limits, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """serve's --allowed-media-domains (every one given) and --media-fetch-timeout over
+    $CELERYTP_ALLOWED_MEDIA_DOMAINS and $CELERYTP_MEDIA_FETCH_TIMEOUT (core/images.py)."""
+    from celerytp.core.images import ImageLimits
+
+    try:
+        limits = ImageLimits.from_env(os.environ)
+        given = {"domains": frozenset().union(*args.allowed_media_domains) if args.allowed_media_domains else None,
+                 "fetch_timeout": args.media_fetch_timeout}
         return dataclasses.replace(limits, **{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
         raise CeleryTPError(ErrorKind.BAD_REQUEST, str(exc)) from None
@@ -455,6 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "together); default $CELERYTP_MAX_SCHEMA_BYTES or 256 KiB")
     serve.add_argument("--max-stop-chars", type=positive_int, default=None, metavar="N",
                        help="the longest stop string (at most 4096); default $CELERYTP_MAX_STOP_CHARS or 512")
+    serve.add_argument("--allowed-media-domains", type=domain_list, action="append", default=None, metavar="DOMAINS",
+                       help="hosts whose http(s) image URLs are fetched, comma-separated (or the option repeated), "
+                            "each matched exactly: a subdomain is not included; default $CELERYTP_ALLOWED_MEDIA_DOMAINS, "
+                            "else none (a remote image URL gets 400)")
+    serve.add_argument("--media-fetch-timeout", type=seconds, default=None, metavar="SECONDS",
+                       help="the longest one image fetch may take in all; default $CELERYTP_MEDIA_FETCH_TIMEOUT or 10")
     serve.add_argument("--no-frontend", action="store_true", help="do not consume celerytp.generate Celery tasks")
     serve.add_argument("--connection-file", default=os.environ.get("CELERYTP_CONNECTION_FILE"), metavar="PATH",
                        help="the embedded cluster writes how to reach its Redis here (mode 0600: CELERYTP_BROKER, "

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 from celerytp.client.leader import Leader
+from celerytp.core.images import ImageLimits
 from celerytp.core.secrets import mask_secrets
 from celerytp.server.config import ServeConfig
 from celerytp.server.limits import RequestLimits
@@ -52,11 +53,11 @@ def ensure_model(leader: Leader, config: ServeConfig) -> None:
 
 
 @contextlib.contextmanager
-def frontend_process(leader: Leader, limits: RequestLimits) -> Iterator[subprocess.Popen]:
+def frontend_process(leader: Leader, limits: RequestLimits, images: ImageLimits) -> Iterator[subprocess.Popen]:
     """A `celerytp frontend` child consuming `celerytp.generate` tasks (the broker URL goes in its
     environment, not its command line, where `ps` would show a password)."""
     env = {**os.environ, "CELERYTP_BROKER": leader.broker_url, "CELERYTP_GROUP": leader.group,
-           "CELERYTP_WORLD_SIZE": str(leader.world_size), **limits.as_env()}
+           "CELERYTP_WORLD_SIZE": str(leader.world_size), **limits.as_env(), **images.as_env()}
     proc = subprocess.Popen([sys.executable, "-m", "celerytp", "frontend"], env=env, start_new_session=True)
     try:
         yield proc
@@ -101,8 +102,8 @@ def serve(config: ServeConfig) -> int:
         ensure_model(leader, config)
         with contextlib.ExitStack() as stack:
             if config.frontend:
-                stack.enter_context(frontend_process(leader, config.limits))
-            app = create_app(Service(leader, Metrics(), config.limits), config.api_keys, config.admin_key,
+                stack.enter_context(frontend_process(leader, config.limits, config.images))
+            app = create_app(Service(leader, Metrics(), config.limits, config.images), config.api_keys, config.admin_key,
                              config.payload_limit, config.metrics_key)
             server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                    timeout_graceful_shutdown=5))

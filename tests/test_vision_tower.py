@@ -1,6 +1,6 @@
-"""The llava vision tower and projector (celerytp/models/vision.py) against transformers'
-LlavaModel.get_image_features, on tiny random CLIP and SigLIP towers saved with save_pretrained
-and loaded through the checkpoint table, as the model loader does.
+"""The llava and gemma3 vision tower and projector (celerytp/models/vision.py) against
+transformers' LlavaModel / Gemma3Model.get_image_features, on tiny random CLIP and SigLIP towers
+saved with save_pretrained and loaded through the checkpoint table, as the model loader does.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def save_llava(path: Path, case: str) -> Any:
     return model
 
 
-def load_tower(path: Path) -> VisionTower:
+def load_tower(path: Path, text_hidden: int = TEXT_HIDDEN) -> VisionTower:
     with open_checkpoint(path) as checkpoint:
-        tower = VisionTower(checkpoint.hf_config, TEXT_HIDDEN, dtype=torch.float32, device=torch.device("cpu"))
+        tower = VisionTower(checkpoint.hf_config, text_hidden, dtype=torch.float32, device=torch.device("cpu"))
         names = checkpoint.names()
         table = tower.checkpoint_table(*checkpoint_layout(names))
         assert set(table) == {n for n in names if n.startswith(VISION_TENSOR_PREFIXES)}
@@ -81,6 +81,63 @@ def test_matches_transformers(tmp_path: Path, case: str) -> None:
     ours = tower(pixel_values)
     assert ours.shape == (3, tower.tokens_per_image, TEXT_HIDDEN)
     assert tower.image_size == 32
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
+
+
+GEMMA3_TEXT_HIDDEN = 64
+
+
+def save_gemma3(path: Path, use_head: bool) -> Any:
+    """A random tiny Gemma3ForConditionalGeneration saved to `path`: a 4x4 patch grid pooled to
+    2x2 positions; returns the model."""
+    config = transformers.Gemma3Config(
+        vision_config=transformers.SiglipVisionConfig(
+            **{**TOWER, "num_hidden_layers": 2}, image_size=32, patch_size=8, vision_use_head=use_head
+        ),
+        text_config=transformers.Gemma3TextConfig(
+            hidden_size=GEMMA3_TEXT_HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            vocab_size=128,
+        ),
+        mm_tokens_per_image=4,
+        image_token_index=127,
+        boi_token_index=125,
+        eoi_token_index=126,
+    )
+    torch.manual_seed(0)
+    model = randomize(transformers.Gemma3ForConditionalGeneration(config)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("use_head", [False, True])
+def test_gemma3_matches_transformers(tmp_path: Path, use_head: bool) -> None:
+    """SigLIP's last_hidden_state (after post_layernorm), pooled, normed and projected; the table
+    is exactly the saved tower and projector tensors (the pooling head only where saved)."""
+    model = save_gemma3(tmp_path, use_head)
+    saved = load_file(tmp_path / "model.safetensors")
+    tower_names = {n for n in saved if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert {n for n in saved if n.startswith("multi_modal_projector.")} == {
+        "multi_modal_projector.mm_input_projection_weight",
+        "multi_modal_projector.mm_soft_emb_norm.weight",
+    }
+    assert any(n.startswith("vision_tower.head.") for n in saved) == use_head
+    tower = load_tower(tmp_path, GEMMA3_TEXT_HIDDEN)
+    assert set(tower.checkpoint_table()) == tower_names
+    assert checkpoint_layout(saved) == ("", False)
+    for name, param in tower.checkpoint_table().items():
+        torch.testing.assert_close(param, saved[name], rtol=0, atol=0)
+    pixel_values = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixel_values=pixel_values).pooler_output
+    ours = tower(pixel_values)
+    assert tower.tokens_per_image == 4 and ours.shape == expected.shape == (3, 4, GEMMA3_TEXT_HIDDEN)
     torch.testing.assert_close(ours, expected, atol=ATOL, rtol=1e-5)
 
 
@@ -133,6 +190,11 @@ def test_wrong_image_size_is_refused() -> None:
         ({"projector_hidden_act": "mystery"}, "projector_hidden_act"),
         ({"vision_feature_select_strategy": "cls"}, "vision_feature_select_strategy"),
         ({"vision_feature_layer": 30}, "vision_feature_layer"),
+        ({"model_type": "gemma3", "vision_config": {"model_type": "clip_vision_model"}}, "vision_config.model_type"),
+        # the default SigLIP tower's 14x14 patch grid cannot pool to 16x16 (or 3x3) positions
+        ({"model_type": "gemma3"}, "mm_tokens_per_image"),
+        ({"model_type": "gemma3", "vision_config": {"image_size": 896, "patch_size": 14},
+          "mm_tokens_per_image": 9}, "mm_tokens_per_image"),
     ],
 )
 def test_unsupported_config_is_refused(config: dict[str, Any], key: str) -> None:
@@ -140,3 +202,29 @@ def test_unsupported_config_is_refused(config: dict[str, Any], key: str) -> None
         VisionTower({"model_type": "llava", **config}, TEXT_HIDDEN, dtype=torch.float32, device=torch.device("meta"))
     assert err.value.kind == ErrorKind.UNSUPPORTED_ARCH
     assert key in str(err.value)
+
+
+def test_gemma3_hub_config_and_layout() -> None:
+    """gemma-3-4b's vision_config: 64x64 patches pooled to 256 positions, no pooling head; its hub
+    files (saved by transformers 4) nest the tower under `vision_tower.vision_model.`."""
+    config = {
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 256,
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "image_size": 896,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+    tower = VisionTower(config, 2560, dtype=torch.bfloat16, device=torch.device("meta"))
+    assert tower.tokens_per_image == 256 and tower.multi_modal_projector.kernel == 4
+    names = ["language_model.model.embed_tokens.weight", "vision_tower.vision_model.post_layernorm.weight"]
+    table = tower.checkpoint_table(*checkpoint_layout(names))
+    assert "vision_tower.vision_model.encoder.layers.26.mlp.fc2.weight" in table
+    assert not any(".head." in n for n in table)
+    assert table["multi_modal_projector.mm_input_projection_weight"].shape == (1152, 2560)

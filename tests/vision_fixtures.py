@@ -1,6 +1,8 @@
-"""A tiny random llava (CLIP tower, llama text model) saved as a Hugging Face directory with a real
-tokenizer (SmolLM2's plus an `<image>` token), a chat template that places images, and a CLIP image
-processor; and transformers' own processor and model over it, the independent reference."""
+"""Tiny random vision-language models saved as Hugging Face directories with a real tokenizer
+(SmolLM2's plus the family's image tokens), a chat template that places images, and the family's
+image processor: llava (CLIP tower, llama text model) and gemma3 (SigLIP tower, its text model,
+image tokens that see their whole image); and transformers' own processor and model over each,
+the independent reference."""
 
 from __future__ import annotations
 
@@ -16,19 +18,46 @@ from celerytp.core.model_files import default_model_path
 from celerytp.core.tokenizer import load_tokenizer
 
 IMAGE_SIZE, PATCH = 32, 8
-TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2  # CLIP, "default" strategy: the class position dropped
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2  # llava's: CLIP, "default" strategy (the class position dropped)
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")  # begin, end, image
+GEMMA3_TOKENS_PER_IMAGE = 4
+
+
+def chat_template(image_mark: str) -> str:
+    """A chat template that writes `image_mark` for each image part."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + image_mark +
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )  # fmt: skip
+
+
+def _tokenizer(path: Path, added: tuple[str, ...], template: str) -> list[int]:
+    """SmolLM2's tokenizer saved at `path` with `added` special tokens and `template`: their ids."""
+    from tokenizers import AddedToken
+
+    load_tokenizer(default_model_path()).save(path)
+    backend = load_tokenizer(default_model_path()).backend.__class__.from_file(str(path / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
+    backend.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return [backend.token_to_id(t) for t in added]
+
+
+def _randomized(model: Any, seed: int) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    return model.eval()
 
 
 def write_tiny_llava(path: Path, seed: int = 5) -> Path:
-    import torch
-    from tokenizers import AddedToken
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -37,29 +66,40 @@ def write_tiny_llava(path: Path, seed: int = 5) -> Path:
         LlavaForConditionalGeneration,
     )
 
-    tokenizer = load_tokenizer(default_model_path())
-    tokenizer.save(path)
-    backend = tokenizer.backend.__class__.from_file(str(path / "tokenizer.json"))
-    backend.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
-    image_token = backend.token_to_id("<image>")
-    backend.save(str(path / "tokenizer.json"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    torch.manual_seed(seed)
-    llava = LlavaConfig(
+    (image,) = _tokenizer(path, ("<image>",), chat_template("<image>"))
+    config = LlavaConfig(
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                        image_size=IMAGE_SIZE, patch_size=PATCH),
         text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=image_token + 1, max_position_embeddings=512,
-                                eos_token_id=config.get("eos_token_id", 2) if isinstance(config.get("eos_token_id"), int) else 2),
-        image_token_index=image_token, vision_feature_layer=-2,
+                                num_key_value_heads=2, vocab_size=image + 1, max_position_embeddings=512, eos_token_id=2),
+        image_token_index=image, vision_feature_layer=-2,
+    )  # fmt: skip
+    _randomized(LlavaForConditionalGeneration(config), seed).save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
+    return path
+
+
+def write_tiny_gemma3(path: Path, seed: int = 6) -> Path:
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
     )
-    model = LlavaForConditionalGeneration(llava).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.15)
-    model.save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
+
+    begin, end, image = _tokenizer(path, GEMMA3_TOKENS, chat_template(GEMMA3_TOKENS[0]))
+    config = Gemma3Config(
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False),
+        text_config=Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, vocab_size=image + 1, sliding_window=64,
+                                     max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"]),
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE, boi_token_index=begin, eoi_token_index=end, image_token_index=image,
+    )  # fmt: skip
+    _randomized(Gemma3ForConditionalGeneration(config), seed).save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
     return path
 
 
@@ -82,46 +122,60 @@ def user_turn(text: str, *images: bytes, mime: str = "image/png") -> dict[str, A
     return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
 
 
-def _processor(path: Path) -> Any:
-    from transformers import AutoImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+def _family(path: Path) -> str:
+    return json.loads((path / "config.json").read_text())["model_type"]
 
+
+def _processor(path: Path) -> Any:
+    from transformers import AutoImageProcessor, Gemma3Processor, LlavaProcessor, PreTrainedTokenizerFast
+
+    images = AutoImageProcessor.from_pretrained(path)
+    if _family(path) == "gemma3":
+        begin, end, image = GEMMA3_TOKENS
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), extra_special_tokens={
+            "boi_token": begin, "eoi_token": end, "image_token": image})  # fmt: skip
+        return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=GEMMA3_TOKENS_PER_IMAGE,
+                               chat_template=chat_template(begin))
     return LlavaProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(path), chat_template=CHAT_TEMPLATE, patch_size=PATCH,
+        image_processor=images, chat_template=chat_template("<image>"), patch_size=PATCH,
         tokenizer=PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json")),
         vision_feature_select_strategy="default", image_token="<image>", num_additional_image_tokens=1,
     )
 
 
 def reference_inputs(path: Path, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """transformers' LlavaProcessor's input_ids and pixel_values for `messages` (our template, rendered)."""
+    """transformers' processor's inputs (input_ids, pixel_values, and gemma3's token_type_ids)
+    for `messages`, rendered by the test's template."""
+    import jinja2
     from PIL import Image
 
     images = [Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1])))
               for m in messages for p in (m["content"] if isinstance(m["content"], list) else [])
-              if p["type"] == "image_url"]
-    return _processor(path)(text=_render(messages), images=images or None, return_tensors="pt")
+              if p["type"] == "image_url"]  # fmt: skip
+    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else
+              [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]} for m in messages]
+    processor = _processor(path)
+    text = jinja2.Template(processor.chat_template).render(messages=plain, add_generation_prompt=True)
+    return processor(text=text, images=images or None, return_tensors="pt")
+
+
+def reference_model(path: Path) -> Any:
+    from transformers import Gemma3ForConditionalGeneration, LlavaForConditionalGeneration
+
+    model_cls = Gemma3ForConditionalGeneration if _family(path) == "gemma3" else LlavaForConditionalGeneration
+    return model_cls.from_pretrained(path).eval()
 
 
 def reference(path: Path, messages: list[dict[str, Any]], steps: int) -> tuple[list[int], list[float], list[int]]:
-    """transformers' own: LlavaForConditionalGeneration's greedy tokens over `reference_inputs`,
-    each one's log-probability, and the prompt's ids."""
+    """transformers' own: the model's greedy tokens over `reference_inputs`, each one's
+    log-probability, and the prompt's ids."""
     import torch
-    from transformers import LlavaForConditionalGeneration
 
     inputs = reference_inputs(path, messages)
-    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=steps, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        out = reference_model(path).generate(**inputs, max_new_tokens=steps, do_sample=False, output_scores=True,
+                                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     prompt = inputs["input_ids"][0].tolist()
     tokens = out.sequences[0, len(prompt):].tolist()
     logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
     return tokens, logprobs, prompt
-
-
-def _render(messages: list[dict[str, Any]]) -> str:
-    import jinja2
-
-    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else
-              [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]} for m in messages]
-    return jinja2.Template(CHAT_TEMPLATE).render(messages=plain, add_generation_prompt=True)

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from celerytp.client.requests import Done, PendingRequest
 from celerytp.core.detokenize import IncrementalText
+from celerytp.core.images import DEFAULT_LIMITS, ImageLimits, take_images
 from celerytp.core.images import encode as encode_images
-from celerytp.core.images import take_images
 from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_message
 from celerytp.core.sampling import SamplingParams
 from celerytp.core.stopping import StopChecker, cut_at_stop
@@ -155,14 +155,16 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int] | None, messages: l
 
 
 def tokenized(record: dict[str, Any], prompt: str | list[int] | None, messages: list[dict] | None,
-              tools: list[dict] | None = None, roots: list[str] | None = None) -> tuple[Tokenizer, list[int], list[bytes]]:
+              tools: list[dict] | None = None, roots: list[str] | None = None,
+              image_limits: ImageLimits = DEFAULT_LIMITS) -> tuple[Tokenizer, list[int], list[bytes]]:
     """The model's tokenizer, the prompt's ids and its images' bytes (a chat's image parts, taken
     out and checked first: core/images.py; each image's token repeated for its features).
-    `roots`: where image paths may point (a Leader caller's; none from the wire)."""
+    `roots`: where image paths may point (a Leader caller's; none from the wire). `image_limits`:
+    how many images, how large, and the media domains whose image URLs are fetched."""
     images: list[bytes] = []
     vision = checkpoint_vision(record["path"])
     if isinstance(messages, list):
-        messages, images = take_images(messages, vision is not None, roots=roots or [])
+        messages, images = take_images(messages, vision is not None, image_limits, roots=roots or [])
     check_prompt_text(prompt, messages, tools, record["max_context"])  # before any tokenizing
     tokenizer = load_tokenizer(record["path"])
     if images:
@@ -192,6 +194,7 @@ def prepare(
     ignore_eos: bool = False,
     grammar: dict[str, Any] | None = None,
     tools: list[dict] | None = None,
+    image_limits: ImageLimits | None = None,
 ) -> Prepared:
     """Tokenize and check a request on the leader against the loaded model's `record`.
 
@@ -199,10 +202,12 @@ def prepare(
     check them. `ignore_eos` generates on past EOS to max_tokens (benchmarks, like vLLM's option).
     `grammar` constrains the output (structured output, worker/grammar.py); `tools` go to a chat
     template that renders them (server/tools.py decides). `prompt_logprobs` (0..20 alternatives)
-    asks for the prompt tokens' log-probabilities too.
+    asks for the prompt tokens' log-probabilities too. `image_limits` bounds a chat's images and
+    names the media domains whose image URLs are fetched (core/images.py; default: none is).
     """
     started = time.perf_counter()
-    tokenizer, ids, images = tokenized(record, prompt, messages, tools, roots=[_model_directory(record["path"])])
+    tokenizer, ids, images = tokenized(record, prompt, messages, tools, roots=[_model_directory(record["path"])],
+                                       image_limits=image_limits or DEFAULT_LIMITS)
     given = {
         "temperature": temperature, "top_k": top_k, "top_p": top_p, "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty, "logit_bias": logit_bias,

@@ -77,8 +77,8 @@ def _read(config_file: str, mtime: float) -> VisionInputs | None:
 def checkpoint_vision(path: str) -> VisionInputs | None:
     """Of the checkpoint at `path` (a directory with config.json; a GGUF file: text only)."""
     config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
+    if not config_file.is_file() or not (Path(path) / "preprocessor_config.json").is_file():
+        return None  # a GGUF file; a checkpoint without an image processor is served as text
     return _read(str(config_file), os.path.getmtime(config_file))
 
 
@@ -92,6 +92,26 @@ def image_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: li
     if text.count(mark) != images:
         raise bad_request("messages", f"the model's chat template placed {text.count(mark)} images of {images}")
     return tokenizer.encode_rendered(text.replace(mark, expanded))
+
+
+def runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted `positions` as [start, end) pairs: each image's places."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
+def whole_images(n: int, images: list[tuple[int, int]], low: int = 0) -> int:
+    """`n` moved out of any image run it would split: to the run's start, or where that is not
+    past `low`, to its end (a prefill piece of a model whose image tokens see their whole image)."""
+    for start, end in images:
+        if start < n < end:
+            return start if start > low else end
+    return n
 
 
 def check_placeholders(prompt: list[int], vision: VisionInputs | None, images: int) -> None:

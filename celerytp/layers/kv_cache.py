@@ -38,15 +38,20 @@ class CacheSlots:
     start: int | None = None
 
     @classmethod
-    def prefill(cls, row: int, offset: int, count: int, device: torch.device, keys: int | None = None) -> CacheSlots:
+    def prefill(cls, row: int, offset: int, count: int, device: torch.device, keys: int | None = None,
+                both_ways: list[tuple[int, int]] = ()) -> CacheSlots:
         """`count` tokens of one row at offset..offset+count-1 (causal within the chunk). `keys`:
         how many cached keys attention reads (default offset + count; more, on the device path,
-        for a length from a few buckets: the ones past a query's own position are masked)."""
+        for a length from a few buckets: the ones past a query's own position are masked).
+        `both_ways`: [start, end) runs of the chunk's tokens that see each other whole (an
+        image's tokens, gemma3)."""
         keys = offset + count if keys is None else keys
         positions = torch.arange(offset, offset + count, device=device)[None]  # (1, T)
         mask = None
         if count > 1 or keys > offset + count:  # query i sees cached keys and its own prefix: key j <= offset + i
             mask = torch.ones(count, keys, dtype=torch.bool, device=device).tril(diagonal=offset)
+            for start, end in both_ways:
+                mask[start:end, offset + start : offset + end] = True
         rows = torch.arange(row, row + 1, device=device)
         return cls(rows, positions, keys, mask, row, start=offset)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.switches import DEVICE_PATH_ENV, INVARIANT_ENV, switch
-from celerytp.core.vision_inputs import VisionInputs
+from celerytp.core.vision_inputs import VisionInputs, runs
 from celerytp.distributed.tp import TPContext
 from celerytp.layers import packed_linear
 from celerytp.layers.host_transfer import to_device
@@ -146,7 +146,8 @@ class CausalLM(nn.Module):
         `gather=False` every method here returns this rank's vocabulary slice of the logits
         (the serving loop reduces the slices itself, layers/vocab_parallel.py `top_candidates`).
         `embeds`: (indices into `tokens`, rows (K, hidden)) that take those tokens' embeddings'
-        places (a vision-language model's image features).
+        places (a vision-language model's image features; each image whole in the piece where
+        its tokens see each other both ways, `VisionInputs.bidirectional`).
         """
         row = self.step_row if row is None else row
         if tokens.dim() != 1 or tokens.numel() == 0:
@@ -166,7 +167,8 @@ class CausalLM(nn.Module):
             keys = keys_bucket(offset + padded, self.max_context)
             tokens = torch.cat([tokens.long(), tokens.new_zeros(padded - n, dtype=torch.long)])
         ids = to_device(tokens.long(), self.device)[None]  # (1, T)
-        slots = CacheSlots.prefill(row, offset, padded, self.device, keys)
+        both_ways = runs(embeds[0]) if embeds is not None and self.vision.bidirectional else []
+        slots = CacheSlots.prefill(row, offset, padded, self.device, keys, both_ways)
         h = self.model(ids, slots) if embeds is None else self.model(ids, slots, embeds)  # (1, T, D)
         h = h[:, n - 1 : n] if last_only else h[:, :n]
         logits = self.lm_head(h, gather=gather)[0].float()  # (T, V)

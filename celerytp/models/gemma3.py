@@ -23,11 +23,10 @@ import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.layers.kv_cache import CacheSlots
-from celerytp.loading.checkpoint import Checkpoint
-from celerytp.models.base import BuildOptions, Progress
+from celerytp.models.base import BuildOptions
 from celerytp.models.config import LAYER_TYPES, ModelConfig, common_fields, rope_config
 from celerytp.models.decoder import DecoderForCausalLM, DecoderLayer, norm_class
-from celerytp.models.multimodal_layout import LanguageModelLayout
+from celerytp.models.vision_language import VisionLanguageModel
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +53,8 @@ TEXT_DEFAULTS: dict[str, Any] = {
 }
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # Gemma3TextConfig.default_theta
 # model_type -> where its text model's weights live (transformers' module names; the saved layout
-# `language_model.model.` is recognised at load: models/multimodal_layout.py).
+# `language_model.model.` is recognised at load: models/vision_language.py).
 WEIGHT_PREFIX = {"gemma3_text": "model.", "gemma3": "model.language_model."}
-# The multimodal checkpoint's other parts, skipped: the SigLIP tower and the projector.
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +86,7 @@ def gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
         "attention_scale": float(t["query_pre_attn_scalar"]) ** -0.5,
         "embedding_scale": float(t["hidden_size"]) ** 0.5,
         "weight_prefix": WEIGHT_PREFIX[model_type],
+        "vision_config": d if model_type == "gemma3" and d.get("vision_config") else None,
     }
 
 
@@ -152,17 +150,13 @@ class Gemma3DecoderLayer(DecoderLayer):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3ForCausalLM(LanguageModelLayout, DecoderForCausalLM):
-    """Gemma 3's text model; of a multimodal checkpoint, the vision tower and projector are skipped
-    (its text model's layout: models/multimodal_layout.py)."""
+class Gemma3ForCausalLM(VisionLanguageModel, DecoderForCausalLM):
+    """Gemma 3's text model, and of a multimodal checkpoint with an image processor, its SigLIP
+    tower and projector (models/vision_language.py); image tokens attend to their whole image
+    at prefill (CausalLM.forward_tokens)."""
 
     decoder_layer_cls = Gemma3DecoderLayer
 
-    def is_ignorable(self, name: str) -> bool:
-        return super().is_ignorable(name) or name.startswith(VISION_PREFIXES)
-
-    def load_weights(self, checkpoint: Checkpoint, progress: Progress | None = None) -> set[str]:
-        vision = sum(n.startswith(VISION_PREFIXES) for n in checkpoint.names())
-        if vision:
-            log.info("%s: text model only; skipping %d vision tower and projector tensors", checkpoint.path, vision)
-        return super().load_weights(checkpoint, progress)
+    def __init__(self, config: ModelConfig, options: BuildOptions) -> None:
+        super().__init__(config, options)
+        self.build_vision()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
@@ -21,6 +24,8 @@ from celerytp.models.hybrid_config import HybridConfig
 from celerytp.models.kv_budget import DEFAULT_KV_MEMORY_FRACTION, check_context, fit_context, memory_budget
 from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import embedding_plan, finish_loading, mlp_block, plan_name, resolve_quant
+
+log = logging.getLogger(__name__)
 
 
 def load_model(
@@ -55,7 +60,7 @@ def load_model(
     """
     check_switches()  # a mistyped CELERYTP_COMPILE or CELERYTP_PACK_LINEARS: fails before any weight is read
     with open_checkpoint(path) as checkpoint, torch.inference_mode():
-        config = config_from_hf(checkpoint.hf_config)
+        config = images_if_processed(config_from_hf(checkpoint.hf_config), checkpoint.path)
         plan = resolve_quant(quant, checkpoint, dtype)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         check_context(config, max_context)
@@ -82,6 +87,20 @@ def load_model(
     if prepare:
         prepare_decode(model, None if progress is None else lambda what: progress(tensors, tensors, what))
     return model
+
+
+def images_if_processed(config: ModelConfig | HybridConfig, path: str | os.PathLike[str]) -> ModelConfig | HybridConfig:
+    """A vision-language config as served: with its vision tower where the checkpoint ships an
+    image processor (preprocessor_config.json); a gemma3 without one is served as text (its
+    tower skipped, as before images were taken), a llava without one is refused."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None or (Path(path) / "preprocessor_config.json").is_file():
+        return config
+    if config.model_type == "gemma3":
+        log.info("%s ships no image processor (preprocessor_config.json): served as a text model", path)
+        return replace(config, vision_config=None)
+    raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{config.model_type}: no image processor (preprocessor_config.json) "
+                                               "beside the checkpoint")
 
 
 def prepare_decode(model: CausalLM, progress: Callable[[str], None] | None = None) -> None:

@@ -1,5 +1,6 @@
-"""The vision tower (CLIP or SigLIP ViT) and multimodal projector of a llava checkpoint, in plain
-torch, matching transformers 5.25's LlavaModel.get_image_features.
+"""The vision tower (CLIP or SigLIP ViT) and multimodal projector of a llava or gemma3 checkpoint,
+in plain torch, matching transformers 5.25's LlavaModel.get_image_features and
+Gemma3Model.get_image_features.
 
 Replicated on every rank, no collectives: the tower is small next to the language model (0.3B
 for llava-1.5's CLIP ViT-L/336) and runs once per image at prefill, so sharding it would buy
@@ -15,11 +16,19 @@ What transformers does, and we match:
   for SigLIP, which has none, transformers drops the first patch all the same), "full" keeps all.
 Only the layers up to the deepest one selected run; the rest, `post_layernorm` and SigLIP's
 pooling head are loaded (a checkpoint has them) but never used.
+
+Gemma 3 (config.json model_type "gemma3") has a SigLIP tower only and takes its last_hidden_state:
+every layer, then `post_layernorm`, all patches. Its projector (Gemma3MultiModalProjector)
+average-pools the patch grid down to `mm_tokens_per_image` positions, RMS-normalizes them in
+float32 with a (1 + weight) scale (Gemma3RMSNorm, eps: the tower's layer_norm_eps) and multiplies
+by `mm_input_projection_weight` (vision hidden, text hidden). The pooling head is loaded where
+`vision_use_head` keeps it in the checkpoint (the gemma-3 hub configs set it false) and never used.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +87,17 @@ LLAVA_DEFAULTS: dict[str, Any] = {
     "projector_hidden_act": "gelu",
     "multimodal_projector_bias": True,
 }
+# Gemma3Config's vision_config when config.json has none: SiglipVisionConfig's defaults.
+GEMMA3_VISION_CONFIG = {"model_type": "siglip_vision_model"}
+GEMMA3_MM_TOKENS_PER_IMAGE = 256  # Gemma3Config's default
+# llava's keys as gemma3 reads its tower, whatever its config.json says: every patch of the last
+# layer's output (VisionTower.forward applies post_layernorm). The llava projector keys are unused.
+GEMMA3_FEATURES: dict[str, Any] = {
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+    "projector_hidden_act": "gelu",
+    "multimodal_projector_bias": False,
+}
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +125,8 @@ def checkpoint_layout(names: Iterable[str]) -> tuple[str, bool]:
 
     prefix is "model." for transformers' module names (`model.vision_tower.`), else "" (the saved
     layout). nested is True where the tower sits under `vision_tower.vision_model.`, as
-    transformers 4 saved it (the llava-hf hub checkpoints); 5.25 saves `vision_tower.<...>`.
+    transformers 4 saved it (the llava-hf and gemma-3 hub checkpoints); 5.25 saves
+    `vision_tower.<...>`. Both families use the same prefixes.
     """
     names = [n for n in names if n.startswith(VISION_TENSOR_PREFIXES)]
     prefix = "model." if any(n.startswith("model.") for n in names) else ""
@@ -125,12 +146,14 @@ def _activation(key: str, name: str) -> Any:
 
 @dataclass
 class VisionConfig:
-    """The tower and projector settings of a llava config.json, transformers' defaults applied.
+    """The tower and projector settings of a llava or gemma3 config.json, transformers' defaults applied.
 
     Args:
         model_type: vision_config.model_type, clip_vision_model or siglip_vision_model.
         feature_layers: vision_feature_layer as a tuple of hidden-state indices (may be negative).
         text_hidden_size: the projector's output width (the language model's hidden_size).
+        mm_tokens_per_image: None for llava; gemma3's pooled positions per image, which selects
+            its projector (and post_layernorm on the last layer's output).
     """
 
     model_type: str
@@ -149,6 +172,7 @@ class VisionConfig:
     projector_act: str
     projector_bias: bool
     text_hidden_size: int
+    mm_tokens_per_image: int | None = None
     # derived
     head_dim: int = field(init=False)
     num_patches: int = field(init=False)
@@ -178,12 +202,21 @@ class VisionConfig:
                 f"{self.num_hidden_layers}-layer tower (indices in [{-n_states}, {n_states - 1}])"
             )
         self.layers_used = max(i % n_states for i in self.feature_layers)
+        if self.mm_tokens_per_image is not None:
+            side, grid = math.isqrt(self.mm_tokens_per_image), self.image_size // self.patch_size
+            if self.has_cls or side * side != self.mm_tokens_per_image or not 0 < side <= grid or grid % side:
+                raise _unsupported(
+                    f"gemma3 with vision_config.model_type={self.model_type!r} and mm_tokens_per_image="
+                    f"{self.mm_tokens_per_image} is not supported (a SigLIP tower whose {grid}x{grid} patch "
+                    "grid average-pools evenly to a square of mm_tokens_per_image positions)"
+                )
 
     @classmethod
     def from_hf(cls, hf_config: dict[str, Any], text_hidden_size: int) -> VisionConfig:
-        top = {**LLAVA_DEFAULTS, **hf_config}
-        vision = hf_config.get("vision_config") or LLAVA_VISION_CONFIG
-        model_type = vision.get("model_type", "clip_vision_model")
+        gemma3 = hf_config.get("model_type") == "gemma3"
+        top = {**hf_config, **GEMMA3_FEATURES} if gemma3 else {**LLAVA_DEFAULTS, **hf_config}
+        vision = hf_config.get("vision_config") or (GEMMA3_VISION_CONFIG if gemma3 else LLAVA_VISION_CONFIG)
+        model_type = vision.get("model_type", "siglip_vision_model" if gemma3 else "clip_vision_model")
         if model_type not in VISION_DEFAULTS:
             raise _unsupported(
                 f"vision_config.model_type={model_type!r} is not supported (supported: {sorted(VISION_DEFAULTS)})"
@@ -207,6 +240,7 @@ class VisionConfig:
             projector_act=top["projector_hidden_act"],
             projector_bias=top["multimodal_projector_bias"],
             text_hidden_size=text_hidden_size,
+            mm_tokens_per_image=top.get("mm_tokens_per_image", GEMMA3_MM_TOKENS_PER_IMAGE) if gemma3 else None,
         )
 
 
@@ -357,11 +391,36 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class Gemma3Projector(nn.Module):
+    """Gemma3MultiModalProjector: (N, grid*grid, vision H) -> (N, mm_tokens_per_image, text H)."""
+
+    def __init__(self, c: VisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        assert c.mm_tokens_per_image is not None
+        self.grid = c.image_size // c.patch_size
+        self.kernel = self.grid // math.isqrt(c.mm_tokens_per_image)
+        self.eps = c.layer_norm_eps
+        kw = {"dtype": dtype, "device": device}
+        self.mm_input_projection_weight = _param(c.hidden_size, c.text_hidden_size, **kw)
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = _param(c.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h = x.shape
+        x = x.transpose(1, 2).reshape(n, h, self.grid, self.grid)  # patches in row-major grid order
+        x = F.avg_pool2d(x, self.kernel).flatten(2).transpose(1, 2)  # (N, mm_tokens_per_image, H)
+        xf = x.float()  # Gemma3RMSNorm: float32, (x * (1 + w)), back to x's dtype
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (xf * (1.0 + self.mm_soft_emb_norm.weight.float())).type_as(x)
+        return torch.matmul(normed, self.mm_input_projection_weight).type_as(x)
+
+
 class VisionTower(nn.Module):
-    """The vision encoder and projector of a llava-style checkpoint, replicated on every rank.
+    """The vision encoder and projector of a llava or gemma3 checkpoint, replicated on every rank.
 
     Args:
-        hf_config: the llava checkpoint's whole config.json (`vision_config`, `vision_feature_layer`, ...).
+        hf_config: the checkpoint's whole config.json (`model_type`, `vision_config`,
+            llava's `vision_feature_layer`, ..., gemma3's `mm_tokens_per_image`).
         text_hidden_size: the language model's hidden_size, the projector's output width.
     """
 
@@ -370,9 +429,14 @@ class VisionTower(nn.Module):
         self.config = c = VisionConfig.from_hf(hf_config, text_hidden_size)
         self.dtype = dtype
         self.image_size = c.image_size
-        self.tokens_per_image = c.num_patches + c.has_cls - (c.select_strategy == "default")
+        self.gemma3 = c.mm_tokens_per_image is not None
+        if self.gemma3:
+            self.tokens_per_image = c.mm_tokens_per_image
+        else:
+            self.tokens_per_image = c.num_patches + c.has_cls - (c.select_strategy == "default")
         self.vision_tower = VisionTransformer(c, dtype=dtype, device=device)
-        self.multi_modal_projector = MultiModalProjector(c, dtype=dtype, device=device)
+        projector = Gemma3Projector if self.gemma3 else MultiModalProjector
+        self.multi_modal_projector = projector(c, dtype=dtype, device=device)
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -387,6 +451,8 @@ class VisionTower(nn.Module):
             )
         weight = self.vision_tower.embeddings.patch_embedding.weight
         states = self.vision_tower(pixel_values.to(device=weight.device, dtype=self.dtype))
+        if self.gemma3:  # last_hidden_state: the last layer's output after post_layernorm
+            return self.multi_modal_projector(self.vision_tower.post_layernorm(states[0]))
         if c.select_strategy == "default":
             states = [s[:, 1:] for s in states]  # transformers drops position 0 (CLS), SigLIP's too
         return self.multi_modal_projector(torch.cat(states, dim=-1))  # (N, tokens_per_image, text H)

@@ -11,6 +11,7 @@ from pathlib import Path
 import redis
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.images import ImageLimits
 from celerytp.core.secrets import mask_secrets
 from celerytp.server.limits import RequestLimits
 
@@ -125,6 +126,8 @@ class ServeConfig:
     request_timeout: seconds a request may take before it is cancelled and answered 504.
     payload_limit: the largest request body in bytes; a larger one is answered 413 before it is parsed.
     limits: what one request may ask otherwise (server/limits.py), on both front doors.
+    images: a chat's images, on both front doors: the media domains whose image URLs are fetched
+        (--allowed-media-domains; none: a remote image URL is refused) and the fetch timeout.
     device: the embedded cluster's worker --device (embedded_devices.py `embedded_device`).
     """
 
@@ -147,6 +150,7 @@ class ServeConfig:
     device: str = "cpu"
     payload_limit: int = 4 << 20  # server/http.py DEFAULT_PAYLOAD_LIMIT
     limits: RequestLimits = field(default_factory=RequestLimits)
+    images: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         positive("--tp", self.tp)

@@ -19,6 +19,7 @@ Celery traffic too.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from kombu import Queue
 from celerytp.client.leader import Leader
 from celerytp.core.app import make_app
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.images import ImageLimits
 from celerytp.core.secrets import clipped
 from celerytp.server import tools
 from celerytp.server.errors import as_sent, shown
@@ -208,9 +210,13 @@ def _as_datetime(value: Any) -> datetime | None:
     return None
 
 
-def make_frontend_app(broker_url: str, group: str, world_size: int, limits: RequestLimits | None = None) -> Celery:
+def make_frontend_app(broker_url: str, group: str, world_size: int, limits: RequestLimits | None = None,
+                      images: ImageLimits | None = None) -> Celery:
     """A Celery app that knows the rank queues and the requests queue, with `celerytp.generate`
-    registered (its Leader is made on first use, in the worker process) under `limits`."""
+    registered (its Leader is made on first use, in the worker process) under `limits` and `images`
+    (None: from $CELERYTP_ALLOWED_MEDIA_DOMAINS and $CELERYTP_MEDIA_FETCH_TIMEOUT, read here: a bad
+    value stops the worker as it starts, not its first request)."""
+    images = images if images is not None else ImageLimits.from_env(os.environ)
     app = make_app(broker_url, group, world_size, main="celerytp")
     app.conf.task_queues = [*app.conf.task_queues, Queue(requests_queue(group), routing_key=requests_queue(group))]
     app.conf.task_routes = {GENERATE_TASK: {"queue": requests_queue(group)}}
@@ -222,7 +228,7 @@ def make_frontend_app(broker_url: str, group: str, world_size: int, limits: Requ
     def service() -> Service:
         with lock:
             if not made:
-                made.append(Service(Leader(broker_url, group, world_size), limits=limits))
+                made.append(Service(Leader(broker_url, group, world_size), limits=limits, images=images))
             return made[0]
 
     register_generate(app, service)

@@ -3,6 +3,7 @@ the leader, count it. Blocking calls: the HTTP API runs them in its thread pool.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from celerytp.client.generation import GenerationResult, TokenStream, tokenized
 from celerytp.client.leader import Leader
 from celerytp.client.registry import replicas
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.images import ImageLimits
 from celerytp.core.liveness import read_owners
 from celerytp.core.redis_client import broker_errors
 from celerytp.core.secrets import clipped
@@ -50,12 +52,17 @@ class Service:
     leader: the group's leader client.
     metrics: where served requests are counted (None: not counted).
     limits: what one request may ask (server/limits.py), checked by both front doors.
+    images: a chat's images: how many, how large, and the media domains whose image URLs are
+        fetched (core/images.py); None: from $CELERYTP_ALLOWED_MEDIA_DOMAINS and
+        $CELERYTP_MEDIA_FETCH_TIMEOUT (the front door's worker, as `celerytp serve` starts it).
     """
 
-    def __init__(self, leader: Leader, metrics: Metrics | None = None, limits: RequestLimits | None = None):
+    def __init__(self, leader: Leader, metrics: Metrics | None = None, limits: RequestLimits | None = None,
+                 images: ImageLimits | None = None):
         self.leader = leader
         self.metrics = metrics
         self.limits = limits or RequestLimits()
+        self.images = images if images is not None else ImageLimits.from_env(os.environ)
         if metrics is not None:
             watch_cluster(metrics, lambda: leader.redis, leader.group, leader.world_size)
             metrics.watch(RankMemory(leader.group, lambda: rank_statuses(leader)))
@@ -94,7 +101,7 @@ class Service:
     def tokenize(self, model_id: str, prompt: str | None, messages: list[dict] | None) -> dict[str, Any]:
         """vLLM's /tokenize answer: the ids a completion (`prompt`) or a chat (`messages`) would feed."""
         record = self.models()[model_id]
-        _, ids, _ = tokenized(record, prompt, messages)
+        _, ids, _ = tokenized(record, prompt, messages, image_limits=self.images)
         return {"count": len(ids), "max_model_len": record["max_context"], "tokens": ids}
 
     def detokenize(self, model_id: str, tokens: list[int]) -> dict[str, str]:
@@ -125,7 +132,7 @@ class Service:
     def generate(self, model_id: str, options: dict[str, Any]) -> GenerationResult:
         self.require_ranks(model_id)
         try:
-            result = self.leader.generate(model_id, **options)
+            result = self.leader.generate(model_id, image_limits=self.images, **options)
         except CeleryTPError as exc:
             self.count_error(model_id, exc)
             if exc.kind is ErrorKind.TIMEOUT and options.get("request_id"):
@@ -136,7 +143,7 @@ class Service:
 
     def stream(self, model_id: str, options: dict[str, Any]) -> TokenStream:
         self.require_ranks(model_id)
-        return self.leader.stream(model_id, **options)
+        return self.leader.stream(model_id, image_limits=self.images, **options)
 
     def count(self, model_id: str, result: GenerationResult) -> None:
         """Add a finished request to the metrics' counters in Redis (HTTP and Celery front doors alike)."""

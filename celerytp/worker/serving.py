@@ -32,7 +32,7 @@ from celerytp.core.step_clock import per_step_us, reset, timed
 from celerytp.core.stopping import StopChecker
 from celerytp.core.switches import SYNC_CHECK_ENV, switch
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, sampling_params
-from celerytp.core.vision_inputs import check_placeholders
+from celerytp.core.vision_inputs import check_placeholders, runs, whole_images
 from celerytp.distributed.control import ControlGroup
 from celerytp.layers.host_transfer import to_device, to_host
 from celerytp.models import CausalLM
@@ -365,7 +365,16 @@ class ServingLoop:
         either: every position's logits must be computed."""
         if (_seeded(spec) and not self.invariant) or spec.prompt_logprobs is not None:
             return 0
-        return self.model.reusable_prefix(self.row_tokens.get(row, []), self._keys(spec))
+        held = self.model.reusable_prefix(self.row_tokens.get(row, []), self._keys(spec))
+        return whole_images(held, self._image_runs(spec), -1) if self._image_runs(spec) else held
+
+    def _image_runs(self, spec: GenSpec) -> list[tuple[int, int]]:
+        """[start, end) of each image's places in `spec`'s prompt, where a prefill piece must hold
+        them whole (a model whose image tokens see each other both ways); else none."""
+        vision = self.model.vision
+        if not spec.images or not vision.bidirectional:
+            return []
+        return runs([i for i, t in enumerate(spec.prompt) if t == vision.image_token_id])
 
     def _feed(self, spec: GenSpec) -> list[int]:
         """The tokens a row prefills for `spec`: a resumed request's earlier tokens too, in one
@@ -547,6 +556,7 @@ class ServingLoop:
             every = seq.spec.prompt_logprobs is not None
             chunk = min(self.prefill_budget, PROMPT_LOGPROBS_PIECE) if every else self.prefill_budget
             end = min(len(seq.feed), seq.fed + budget, seq.fed + chunk)
+            end = whole_images(end, self._image_runs(seq.spec), seq.fed)
             if seeded and _seeded(seq.spec) and end < min(len(seq.feed), seq.fed + chunk):
                 continue  # another seeded row took part of the budget: a whole chunk in a later step
             piece = torch.tensor(seq.feed[seq.fed : end], dtype=torch.long)

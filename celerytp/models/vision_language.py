@@ -1,0 +1,76 @@
+"""A decoder whose checkpoint may be a vision-language one (transformers' ...ForConditionalGeneration):
+where its text model's tensors lie, and its vision tower and projector (models/vision.py),
+replicated on every rank.
+
+transformers' save_pretrained (and the hub's files) store the text model as
+`language_model.model.*` with `language_model.lm_head.weight`; its module names, which some files
+use, are `model.language_model.*` and `lm_head.weight`. A model built with weight_prefix
+`model.language_model.` reads whichever its checkpoint has.
+
+The tower is built when the config has a `vision_config` (models/loader.py drops it for a gemma3
+checkpoint that ships no image processor: that one is served as text, its tower's tensors skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from celerytp.core.vision_inputs import vision_inputs
+from celerytp.loading.checkpoint import Checkpoint
+from celerytp.models.base import CausalLM, Progress
+from celerytp.models.vision import VISION_TENSOR_PREFIXES, VisionTower, checkpoint_layout
+
+SAVED_PREFIX, SAVED_LM_HEAD = "language_model.model.", "language_model.lm_head.weight"
+log = logging.getLogger(__name__)
+
+
+class VisionLanguageModel(CausalLM):
+    """Mixed in before a CausalLM whose checkpoint may be multimodal; `build_vision` after its __init__."""
+
+    _saved_layout = False  # set by load_weights when the checkpoint uses SAVED_PREFIX
+    _vision_layout = ("", False)  # VisionTower.checkpoint_table's arguments for this checkpoint
+
+    def build_vision(self) -> None:
+        """The tower, where the config has one (a module attribute: set here, not on the class)."""
+        self.vision_encoder: VisionTower | None = None
+        if self.config.vision_config is not None:
+            self.vision = vision_inputs(self.config.vision_config)
+            self.vision_encoder = VisionTower(self.config.vision_config, self.config.hidden_size,
+                                              dtype=self.options.dtype, device=self.options.device)
+
+    def checkpoint_table(self) -> dict[str, Any]:
+        tower = {id(p) for p in self.vision_encoder.parameters()} if self.vision_encoder is not None else set()
+        table = {name: entry for name, entry in super().checkpoint_table().items() if id(entry[0]) not in tower}
+        if self._saved_layout:
+            table = {_saved_name(name, self.config.weight_prefix): entry for name, entry in table.items()}
+        if self.vision_encoder is not None:
+            table.update({name: (p, None) for name, p in self.vision_encoder.checkpoint_table(*self._vision_layout).items()})
+        return table
+
+    def is_ignorable(self, name: str) -> bool:
+        if self.vision_encoder is None and name.startswith(VISION_TENSOR_PREFIXES):
+            return True  # a text-only load of a multimodal checkpoint
+        return (name == SAVED_LM_HEAD and self.config.tie_word_embeddings) or super().is_ignorable(name)
+
+    def load_weights(self, checkpoint: Checkpoint, progress: Progress | None = None) -> set[str]:
+        names = checkpoint.names()
+        self._saved_layout = self.config.weight_prefix != "model." and any(n.startswith(SAVED_PREFIX) for n in names)
+        self._vision_layout = checkpoint_layout(names)
+        skipped = sum(n.startswith(VISION_TENSOR_PREFIXES) for n in names) if self.vision_encoder is None else 0
+        if skipped:
+            log.info("%s: text model only; skipping %d vision tower and projector tensors", checkpoint.path, skipped)
+        return super().load_weights(checkpoint, progress)
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) pixel values -> (N, tokens_per_image, hidden): every rank the same."""
+        return self.vision_encoder(pixel_values)
+
+
+def _saved_name(name: str, prefix: str) -> str:
+    if name.startswith(prefix):
+        return SAVED_PREFIX + name[len(prefix) :]
+    return SAVED_LM_HEAD if name == "lm_head.weight" else name
