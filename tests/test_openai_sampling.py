@@ -68,10 +68,14 @@ def test_unused_values_of_unsupported_fields_are_accepted(client):
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            presence_penalty=0, frequency_penalty=0, logit_bias={}, n=1)
     assert reply.choices[0].finish_reason in ("stop", "length")
+    completion = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, suffix="")  # no suffix: no FIM
+    assert completion.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize(("extra", "field", "says"), [
-    ({"suffix": "!"}, "suffix", "not supported"),
+    ({"suffix": "!"}, "suffix", "no fill-in-the-middle tokens"),  # SmolLM2 has none (tests/test_fim.py)
+    ({"suffix": "!", "prompt": [5, 6]}, "suffix", "needs a text prompt"),
+    ({"suffix": "!", "echo": True}, "suffix", "not with \"echo\""),
     ({"best_of": 2}, "best_of", "not supported"),
     ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ({"frequency_penalty": "1"}, "frequency_penalty", "number"),

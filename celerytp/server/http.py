@@ -29,7 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from celerytp.client.generation import GenerationResult, Piece, TokenStream
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.fim import fim_form
 from celerytp.core.secrets import clipped
+from celerytp.core.tokenizer import load_tokenizer
 from celerytp.server import responses, tools
 from celerytp.server.errors import (
     HTTPProblem,
@@ -211,6 +213,8 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
         options of each of its rows (choices, and prompts of a completion batch)."""
         service.limits.check(body)
         model_id = await run_in_threadpool(service.resolve, body.model)
+        if isinstance(body, CompletionRequest) and body.suffix:
+            body = await run_in_threadpool(filled_in, service, model_id, body)
         request_id = uuid.uuid4().hex
         options = {**body.options(), "request_id": request_id}
         decode = await run_in_threadpool(service.decoder, model_id) if options.get("logprobs") else None
@@ -484,6 +488,17 @@ def prompt_options(options: dict[str, Any], prompt: str | list[int], index: int,
     """The leader options of prompt `index` of a completion's `prompts`."""
     request_id = options["request_id"] if prompts == 1 else f"{options['request_id']}-p{index}"
     return {**options, "prompt": prompt, "request_id": request_id}
+
+
+def filled_in(service: Service, model_id: str, body: CompletionRequest) -> CompletionRequest:
+    """The completion with each prompt and its `suffix` as the model's fill-in-the-middle prompt
+    (core/fim.py): what the model writes is the middle. A model without the tokens refuses it."""
+    form = fim_form(load_tokenizer(service.models()[model_id]["path"]))
+    if form is None:
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field 'suffix': model {model_id!r} has no fill-in-the-middle "
+                                                   "tokens in its vocabulary; leave suffix out")
+    prompts = [form.prompt(prompt, body.suffix) for prompt in body.prompts]  # text prompts: schemas.py checked
+    return body.model_copy(update={"prompt": prompts[0] if isinstance(body.prompt, str) else prompts, "suffix": None})
 
 
 def echo_texts(service: Service, model_id: str, prompts: list[str | list[int]]) -> list[str]:

@@ -75,7 +75,8 @@ class Message(BaseModel):
 
 # OpenAI (and vLLM) request fields this server does not implement, each with the value that means
 # "not used": sent with that value (or null) they are accepted, as SDKs and frameworks send
-# defaults; any other value is a 400 naming the field, never silently ignored.
+# defaults; any other value is a 400 naming the field, never silently ignored. A request that
+# declares one of them implements it (a completion's `suffix`: fill-in-the-middle, core/fim.py).
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "store": (None, False),
@@ -126,11 +127,12 @@ class SamplingFields(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, body: Any) -> Any:
         if isinstance(body, dict):
-            for name, unused in REFUSED_FIELDS.items():
+            refused = {name: unused for name, unused in REFUSED_FIELDS.items() if name not in cls.model_fields}
+            for name, unused in refused.items():
                 if name in body and not any(_same(body[name], value) for value in unused):
                     raise ValueError(f"field '{name}': not supported by this server (docs/serving.md lists "
                                      "the supported fields); leave it out")
-            body = {k: v for k, v in body.items() if k not in REFUSED_FIELDS}  # sent as "unused": nothing to do
+            body = {k: v for k, v in body.items() if k not in refused}  # sent as "unused": nothing to do
         return body
 
     @field_validator("logit_bias", mode="plain")
@@ -163,13 +165,15 @@ TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
 class CompletionRequest(SamplingFields):
     """A text completion: `prompt` is a text, token ids, or a list of either (a batch: the
     choices of prompt i are i * n .. i * n + n - 1). `max_tokens` 0 with `echo` scores the prompt
-    only (its logprobs, as lm-evaluation-harness asks for log-likelihoods)."""
+    only (its logprobs, as lm-evaluation-harness asks for log-likelihoods). With `suffix`, each
+    text prompt is the prefix of a fill-in-the-middle prompt (core/fim.py) and the text is the middle."""
 
     model: str
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = strict_field(ge=0)
     logprobs: int | None = strict_field(ge=0, le=20)
     echo: bool = strict_field(False)
+    suffix: str | None = strict_field()  # "" or null: no suffix, a plain completion
     response_format: ResponseFormat | None = None  # as for chat (server/tools.py)
 
     @field_validator("prompt")
@@ -201,6 +205,17 @@ class CompletionRequest(SamplingFields):
         if self.max_tokens == 0 and (not self.echo or self.stream):
             raise ValueError("field 'max_tokens': 0 only with \"echo\": true and not streamed (the prompt "
                              "scored, nothing generated)")
+        return self
+
+    @model_validator(mode="after")
+    def _suffix_needs_text(self) -> CompletionRequest:
+        if not self.suffix:
+            return self
+        if not all(isinstance(prompt, str) for prompt in self.prompts):
+            raise ValueError("field 'suffix': needs a text prompt (the prefix it is filled in after); "
+                             "token-id prompts cannot be put around it")
+        if self.echo:  # the prompt sent is not the prompt run (core/fim.py): nothing sensible to echo
+            raise ValueError("field 'suffix': not with \"echo\": true")
         return self
 
     @property
