@@ -94,6 +94,8 @@ def domain_list(text: str) -> frozenset[str]:
 
 KV_FRACTION_HELP = ("the share of each rank's free memory after the weights its KV cache may take (a CPU: of the "
                     "host's available RAM, shared by the ranks); default 0.8")
+MMPROJ_HELP = ("llama.cpp's mmproj .gguf of a gemma3 .gguf model: its vision tower, for chats with images "
+               "(under the workers' model roots)")
 
 
 def checked_quant(name: str | None) -> str | None:
@@ -114,6 +116,13 @@ def model_path(arg: str | None) -> str:
     from celerytp.server.config import existing_model
 
     return existing_model(arg or default_model_path())
+
+
+def mmproj_path(arg: str | None) -> str | None:
+    """--mmproj: llama.cpp's mmproj file of a gemma3 .gguf (its vision tower), which must exist."""
+    from celerytp.server.config import existing_model
+
+    return None if arg is None else existing_model(arg)
 
 
 def attention_heads(path: str) -> tuple[int, int] | None:
@@ -237,13 +246,13 @@ def _check(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from celerytp.core.tokenizer import load_tokenizer
 
-    path = model_path(args.model)
+    path, mmproj = model_path(args.model), mmproj_path(args.mmproj)
     quant = checked_quant(args.quant)
     check_tp_fits(path, args.tp)
     check_broker(args)
     model_id = args.model_id or Path(path).stem
     if not args.broker:
-        args.model_roots = [str(Path(path).parent)]
+        args.model_roots = sorted({str(Path(p).parent) for p in (path, mmproj) if p is not None})
     tokenizer = load_tokenizer(path)
     chat = not args.raw and tokenizer.chat_template
     request = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
@@ -251,10 +260,10 @@ def _generate(args: argparse.Namespace) -> int:
         if args.broker:
             leader.ensure_formed()
         record = leader.models().get(model_id)
-        if record is None or record["path"] != path:
+        if record is None or record["path"] != path or record.get("load", {}).get("mmproj") != mmproj:
             if record is not None:
                 leader.unload(model_id)
-            leader.load(model_id, path, quant=quant, progress=not args.json)
+            leader.load(model_id, path, quant=quant, progress=not args.json, mmproj=mmproj)
         options = dict(request, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.stream:
             stream = leader.stream(model_id, **options)
@@ -307,7 +316,8 @@ def _serve(args: argparse.Namespace) -> int:
     path = model_path(args.model)
     check_tp_fits(path, args.tp)
     config = ServeConfig(
-        model_path=path, model_id=args.model_id or Path(path).stem, tp=args.tp, host=args.host, port=args.port,
+        model_path=path, model_id=args.model_id or Path(path).stem, mmproj=mmproj_path(args.mmproj), tp=args.tp,
+        host=args.host, port=args.port,
         broker=args.broker, group=args.group, api_keys=api_keys, admin_key=admin_key,
         metrics_key=metrics_key_from(args.metrics_key_file, os.environ),
         quant=checked_quant(args.quant), max_batch=args.max_batch, max_context=args.max_context,
@@ -383,7 +393,8 @@ def _models(args: argparse.Namespace) -> int:
         model_id = args.model_id or Path(path).stem
         leader.ensure_formed()  # a new group (a replica's) forms here; a live one is used as it is
         leader.load(model_id, path, quant=checked_quant(args.quant), max_batch=args.max_batch,
-                    max_context=args.max_context, kv_memory_fraction=args.kv_memory_fraction, progress=True)
+                    max_context=args.max_context, kv_memory_fraction=args.kv_memory_fraction, progress=True,
+                    mmproj=mmproj_path(args.mmproj))
         print(f"loaded {model_id}")
     elif args.action == "unload":
         if not args.model:
@@ -459,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--model-id", default=None, help="id to load the model under (default: the file name)")
     gen.add_argument("--quant", default=None, help="ggml type for the weights, e.g. q8_0 (default: the file's own)")
+    gen.add_argument("--mmproj", default=None, metavar="PATH", help=MMPROJ_HELP)
     output = gen.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--stream", action="store_true", help="print tokens as they come")
@@ -468,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", parents=[common], help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face model directory (default: SmolLM2)")
+    serve.add_argument("--mmproj", default=None, metavar="PATH", help=MMPROJ_HELP)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -522,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("model", nargs="?", help="load: a model path (default: SmolLM2); unload: the model id")
     models.add_argument("--model-id", default=None)
     models.add_argument("--quant", default=None)
+    models.add_argument("--mmproj", default=None, metavar="PATH", help=f"load: {MMPROJ_HELP}")
     models.add_argument("--max-batch", type=positive_int, default=16)
     models.add_argument("--max-context", type=positive_int, default=None)
     models.add_argument("--kv-memory-fraction", type=fraction, default=None, metavar="F", help=KV_FRACTION_HELP)

@@ -34,7 +34,7 @@ def group_for(config: ServeConfig) -> Iterator[Leader]:
     from celerytp.cluster import LocalCluster
 
     say(f"starting a local cluster of {config.tp} rank(s)...")
-    roots = [os.path.dirname(config.model_path)]
+    roots = sorted({os.path.dirname(p) for p in (config.model_path, config.mmproj) if p is not None})
     with LocalCluster(world_size=config.tp, group=config.group, model_roots=roots, device=config.device) as cluster:
         yield cluster.leader
 
@@ -42,14 +42,15 @@ def group_for(config: ServeConfig) -> Iterator[Leader]:
 def ensure_model(leader: Leader, config: ServeConfig) -> None:
     """Load the model unless the group holds it already (from the same path)."""
     record = leader.models().get(config.model_id)
-    if record is not None and record["path"] == config.model_path:
+    if record is not None and record["path"] == config.model_path and record["load"].get("mmproj") == config.mmproj:
         say(f"model {config.model_id} is loaded already")
         return
     if record is not None:
         leader.unload(config.model_id)
     say(f"loading {config.model_path} as {config.model_id!r} on {config.tp} rank(s)...")
     leader.load(config.model_id, config.model_path, quant=config.quant, max_batch=config.max_batch,
-                max_context=config.max_context, kv_memory_fraction=config.kv_memory_fraction, progress=True)
+                max_context=config.max_context, kv_memory_fraction=config.kv_memory_fraction, progress=True,
+                mmproj=config.mmproj)
 
 
 @contextlib.contextmanager

@@ -123,13 +123,13 @@ def test_a_text_model_takes_no_images():
 def test_content_keys_follow_the_images_bytes_and_places():
     other = image_file("PNG", (8, 7))
     prompt = [5, 9, 9, 6, 9, 9, 7]
-    first = content_keys(prompt, 9, 2, encode([PNG, other]))
-    assert first == content_keys(prompt, 9, 2, encode([PNG, other]))
+    first = content_keys(prompt, 9, [2, 2], encode([PNG, other]))
+    assert first == content_keys(prompt, 9, [2, 2], encode([PNG, other]))
     assert [first[i] for i in (0, 3, 6)] == [5, 6, 7]
     assert first[1] == first[2] < 0 and first[4] == first[5] < 0 and first[1] != first[4]
-    swapped = content_keys(prompt, 9, 2, encode([other, PNG]))
+    swapped = content_keys(prompt, 9, [2, 2], encode([other, PNG]))
     assert swapped[1] == first[4] and swapped[4] == first[1]
-    assert content_keys(prompt, 9, 2, encode([PNG, PNG]))[4] == first[1]
+    assert content_keys(prompt, 9, [2, 2], encode([PNG, PNG]))[4] == first[1]
 
 
 # -- remote URLs -------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ class _Service(Service):
 
 
 def test_the_setting_reaches_the_fetch_through_prepare_and_the_service(server, monkeypatch):
-    monkeypatch.setattr(generation, "checkpoint_vision", lambda path: Vision())
+    monkeypatch.setattr(generation, "checkpoint_vision", lambda path, mmproj=None: Vision())
     record = {"path": "/nonexistent/model", "max_context": 100, "vocab_size": 1000}
     missing = chat(f"{server}/missing")
     for run in (lambda: prepare(record, messages=missing),

@@ -1,8 +1,8 @@
 """Tiny random vision-language models saved as Hugging Face directories with a real tokenizer
 (SmolLM2's plus the family's image tokens), a chat template that places images, and the family's
-image processor: llava (CLIP tower, llama text model) and gemma3 (SigLIP tower, its text model,
-image tokens that see their whole image); and transformers' own processor and model over each,
-the independent reference."""
+image processor: llava (CLIP tower, llama text model), gemma3 (SigLIP tower, its text model,
+image tokens that see their whole image) and qwen2_5_vl (windowed ViT, tokens by image size,
+multimodal rotary); and transformers' own processor and model over each, the independent reference."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ IMAGE_SIZE, PATCH = 32, 8
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2  # llava's: CLIP, "default" strategy (the class position dropped)
 GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")  # begin, end, image
 GEMMA3_TOKENS_PER_IMAGE = 4
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_PROCESSOR = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16,
+                  "max_pixels": 64 * 64}
 
 
 def chat_template(image_mark: str) -> str:
@@ -103,6 +107,25 @@ def write_tiny_gemma3(path: Path, seed: int = 6) -> Path:
     return path
 
 
+def write_tiny_qwen2_5_vl(path: Path, seed: int = 7) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    start, end, image, video = _tokenizer(path, QWEN_TOKENS, chat_template(QWEN_MARK))
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=video + 1, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        vision_config=dict(depth=4, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
+                           patch_size=QWEN_PROCESSOR["patch_size"], spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, fullatt_block_indexes=[1, 3]),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+    )  # fmt: skip
+    _randomized(Qwen2_5_VLForConditionalGeneration(config), seed).save_pretrained(path)
+    Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
+    return path
+
+
 def picture(seed: int, size: tuple[int, int] = (40, 52), fmt: str = "PNG") -> bytes:
     from PIL import Image
 
@@ -154,15 +177,41 @@ def reference_inputs(path: Path, messages: list[dict[str, Any]]) -> dict[str, An
               if p["type"] == "image_url"]  # fmt: skip
     plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else
               [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]} for m in messages]
+    if _family(path) == "qwen2_5_vl":
+        return _qwen_inputs(path, jinja2.Template(chat_template(QWEN_MARK)).render(
+            messages=plain, add_generation_prompt=True), images)  # fmt: skip
     processor = _processor(path)
     text = jinja2.Template(processor.chat_template).render(messages=plain, add_generation_prompt=True)
     return processor(text=text, images=images or None, return_tensors="pt")
 
 
-def reference_model(path: Path) -> Any:
-    from transformers import Gemma3ForConditionalGeneration, LlavaForConditionalGeneration
+def _qwen_inputs(path: Path, text: str, images: list[Any]) -> dict[str, Any]:
+    """What Qwen2_5_VLProcessor makes (it cannot be built here: it wants torchvision's video
+    processor): its image processor's pixels and grids, each `<|image_pad|>` repeated for its
+    image's merged patches, tokenized, and the image tokens' type ids."""
+    import torch
+    from transformers import AutoImageProcessor, PreTrainedTokenizerFast
 
-    model_cls = Gemma3ForConditionalGeneration if _family(path) == "gemma3" else LlavaForConditionalGeneration
+    pixels = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    pad = QWEN_TOKENS[2]
+    pieces = text.split(pad)
+    counts = [int(g.prod()) // QWEN_PROCESSOR["merge_size"] ** 2 for g in pixels["image_grid_thw"]]
+    text = pieces[0] + "".join(pad * n + piece for n, piece in zip(counts, pieces[1:]))
+    ids = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))(text, return_tensors="pt")["input_ids"]
+    image = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json")).convert_tokens_to_ids(pad)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == image).int(),
+            **pixels}
+
+
+def reference_model(path: Path) -> Any:
+    from transformers import (
+        Gemma3ForConditionalGeneration,
+        LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    model_cls = {"gemma3": Gemma3ForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}.get(
+        _family(path), LlavaForConditionalGeneration)
     return model_cls.from_pretrained(path).eval()
 
 

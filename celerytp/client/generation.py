@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from celerytp.client.requests import Done, PendingRequest
 from celerytp.core.detokenize import IncrementalText
-from celerytp.core.images import DEFAULT_LIMITS, ImageLimits, take_images
+from celerytp.core.images import DEFAULT_LIMITS, ImageLimits, image_size, take_images
 from celerytp.core.images import encode as encode_images
 from celerytp.core.protocol import GenSpec, RowResult, StepResult, validate_message
 from celerytp.core.sampling import SamplingParams
@@ -162,13 +162,15 @@ def tokenized(record: dict[str, Any], prompt: str | list[int] | None, messages: 
     `roots`: where image paths may point (a Leader caller's; none from the wire). `image_limits`:
     how many images, how large, and the media domains whose image URLs are fetched."""
     images: list[bytes] = []
-    vision = checkpoint_vision(record["path"])
+    mmproj = record.get("load", {}).get("mmproj")  # a GGUF's vision tower, llama.cpp's mmproj file
+    vision = checkpoint_vision(record["path"], mmproj)
     if isinstance(messages, list):
         messages, images = take_images(messages, vision is not None, image_limits, roots=roots or [])
     check_prompt_text(prompt, messages, tools, record["max_context"])  # before any tokenizing
     tokenizer = load_tokenizer(record["path"])
     if images:
-        return tokenizer, image_prompt(tokenizer, messages, tools, vision, len(images)), images
+        sizes = [image_size(data) for data in images]
+        return tokenizer, image_prompt(tokenizer, messages, tools, vision, sizes), images
     return tokenizer, prompt_ids(tokenizer, prompt, messages, tools), images
 
 

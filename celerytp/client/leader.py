@@ -142,8 +142,11 @@ class Leader:
         idle_s: float = 1.0,
         max_queue: int = 256,
         read_deadline_s: float = DEFAULT_READ_DEADLINE_S,
+        mmproj: str | os.PathLike | None = None,
     ) -> list[p.Loaded]:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
+        `mmproj`: llama.cpp's mmproj file of a gemma3 .gguf at `path`, its vision tower (the
+        ranks confine it to their model roots as they do `path`).
 
         Serving settings: `max_batch` requests decode together (KV cache rows), each rank's KV
         cache stays within `kv_cache_bytes`, or without it within `kv_memory_fraction` (default
@@ -163,6 +166,8 @@ class Leader:
             "kv_cache_bytes": kv_cache_bytes, "kv_memory_fraction": kv_memory_fraction, "kv_dtype": kv_dtype, "prefill_budget": prefill_budget, "idle_s": idle_s, "max_queue": max_queue,
             "read_deadline_s": read_deadline_s,
         }
+        if mmproj is not None:  # only then on the wire: a text model's load request is as before
+            fields["mmproj"] = os.path.abspath(mmproj)
         self._ensure_group()
         return self._load(model_id, fields, progress, timeout)
 

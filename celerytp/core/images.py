@@ -331,6 +331,14 @@ def check_image(data: bytes, field: str, limits: ImageLimits = DEFAULT_LIMITS) -
         raise bad_request(field, f"the image cannot be decoded ({type(exc).__name__})") from None
 
 
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a checked image."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.size
+
+
 def encode(images: list[bytes]) -> list[str]:
     """Images as the request carries them: base64 text."""
     return [base64.b64encode(data).decode("ascii") for data in images]
@@ -340,15 +348,16 @@ def decode(images: list[str]) -> list[bytes]:
     return [base64.b64decode(text) for text in images]
 
 
-def content_keys(prompt: list[int], image_token_id: int, tokens_per_image: int, images: list[str]) -> list[int]:
-    """`prompt` with each image's placeholder tokens replaced by a key of the image's content (its
-    base64 text, as the request carries it): a negative number, never a token id, so that a cached
-    prefix is reused only where the same images sit in the same places."""
+def content_keys(prompt: list[int], image_token_id: int, tokens: list[int], images: list[str]) -> list[int]:
+    """`prompt` with each image's placeholder tokens (`tokens[i]` of them for image i, in order)
+    replaced by a key of the image's content (its base64 text, as the request carries it): a
+    negative number, never a token id, so that a cached prefix is reused only where the same
+    images sit in the same places."""
     keys = list(prompt)
-    at = [i for i, t in enumerate(prompt) if t == image_token_id]
-    for n, text in enumerate(images):
+    at = iter([i for i, t in enumerate(prompt) if t == image_token_id])
+    for count, text in zip(tokens, images):
         key = _content_key(text)
-        for i in at[n * tokens_per_image : (n + 1) * tokens_per_image]:
+        for _, i in zip(range(count), at):
             keys[i] = key
     return keys
 

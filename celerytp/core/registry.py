@@ -11,7 +11,7 @@ from typing import Any
 
 LOAD_FIELDS = (
     "path", "dtype", "quant", "max_context", "max_batch", "kv_cache_bytes", "kv_memory_fraction", "kv_dtype", "prefill_budget", "idle_s", "max_queue",
-    "read_deadline_s",
+    "read_deadline_s", "mmproj",
 )
 
 

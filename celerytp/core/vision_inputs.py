@@ -5,7 +5,7 @@ check a request's prompt against it. No torch: the leader imports it too."""
 from __future__ import annotations
 
 import json
-import os
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,41 +21,91 @@ CLIP_DEFAULTS = {"image_size": 224, "patch_size": 32, "model_type": "clip_vision
 # Gemma3Config's (transformers 5.25)
 GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
                    "image_token_index": 262_144}
+# Qwen2_5_VLConfig's and Qwen2VLImageProcessor's
+QWEN_VL_DEFAULTS = {"image_token_id": 151_655}
+QWEN_VISION_DEFAULTS = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+@dataclass(frozen=True)
+class ImageGrid:
+    """Qwen2-VL's image processor's resizing (transformers' `smart_resize`): each side rounded to
+    whole merged patches, the area kept within [min_pixels, max_pixels], the aspect ratio as close
+    as it can be. An image's tokens follow its size: one per merge x merge patches."""
+
+    patch: int = 14
+    merge: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    @classmethod
+    def of(cls, vision: dict[str, Any], processor: dict[str, Any]) -> ImageGrid:
+        size = processor.get("size") or {}
+        v = {**QWEN_VISION_DEFAULTS, **vision}
+        return cls(int(processor.get("patch_size", v["patch_size"])), int(processor.get("merge_size", v["spatial_merge_size"])),
+                   int(processor.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
+                   int(processor.get("max_pixels") or size.get("longest_edge") or cls.max_pixels))
+
+    def patches(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of patches of an image of this size once resized."""
+        factor = self.patch * self.merge
+        if max(height, width) / min(height, width) > 200:
+            raise bad_request("messages", f"an image of {width}x{height} is too narrow (aspect ratio over 200)")
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h // self.patch, w // self.patch
 
 
 @dataclass(frozen=True)
 class VisionInputs:
     """How a checkpoint's prompts hold images.
 
-    image_token_id: the token whose places take an image's features, `tokens_per_image` of them
-    per image. begin_token_id / end_token_id: where the chat template renders one begin token per
+    image_token_id: the token whose places take an image's features: `tokens_per_image` of them
+    per image, or where the image's size decides (`grid`, Qwen2.5-VL) as many as its merged
+    patches. begin_token_id / end_token_id: where the chat template renders one begin token per
     image (gemma3's `<start_of_image>`), which the processor expands to blank lines, begin, the
-    image tokens, end, blank lines; None where the template renders the image token itself (llava).
+    image tokens, end, blank lines; None where the template renders the image token itself.
     bidirectional: an image's tokens attend to each other both ways at prefill (gemma3).
     """
 
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int = 0
     begin_token_id: int | None = None
     end_token_id: int | None = None
     bidirectional: bool = False
+    grid: ImageGrid | None = None
 
-    def expansion(self, token_text: Callable[[int], str]) -> tuple[str, str]:
-        """(what the template renders per image, the text transformers' processor puts in its place)."""
+    def tokens(self, size: tuple[int, int]) -> int:
+        """Places an image of `size` (width, height) takes."""
+        if self.grid is None:
+            return self.tokens_per_image
+        rows, columns = self.grid.patches(*size)
+        return rows * columns // self.grid.merge**2
+
+    def expansion(self, token_text: Callable[[int], str], tokens: int) -> tuple[str, str]:
+        """(what the template renders per image, the text transformers' processor puts in its place
+        for an image of `tokens` places)."""
         image = token_text(self.image_token_id)
         if self.begin_token_id is None:
-            return image, image * self.tokens_per_image
+            return image, image * tokens
         begin, end = token_text(self.begin_token_id), token_text(self.end_token_id)
-        return begin, f"\n\n{begin}{image * self.tokens_per_image}{end}\n\n"
+        return begin, f"\n\n{begin}{image * tokens}{end}\n\n"
 
 
-def vision_inputs(hf_config: dict[str, Any]) -> VisionInputs | None:
-    """Of a config.json's contents; None for a text-only model."""
+def vision_inputs(hf_config: dict[str, Any], processor: dict[str, Any] | None = None) -> VisionInputs | None:
+    """Of a config.json's contents (and its preprocessor_config.json's); None for a text-only model."""
     model_type = hf_config.get("model_type")
     if model_type == "gemma3" and hf_config.get("vision_config"):
         d = {**GEMMA3_DEFAULTS, **hf_config}
         return VisionInputs(int(d.get("image_token_id", d["image_token_index"])), int(d["mm_tokens_per_image"]),
                             int(d["boi_token_index"]), int(d["eoi_token_index"]), bidirectional=True)
+    if model_type == "qwen2_5_vl":
+        d = {**QWEN_VL_DEFAULTS, **hf_config}
+        return VisionInputs(int(d["image_token_id"]), grid=ImageGrid.of(d.get("vision_config") or {}, processor or {}))
     if model_type != "llava":
         return None
     d = {**LLAVA_DEFAULTS, **hf_config}
@@ -69,29 +119,43 @@ def vision_inputs(hf_config: dict[str, Any]) -> VisionInputs | None:
 
 
 @lru_cache(maxsize=64)
-def _read(config_file: str, mtime: float) -> VisionInputs | None:
-    with open(config_file, encoding="utf-8") as f:
-        return vision_inputs(json.load(f))
+def _read(config_file: str, processor_file: str, mtimes: tuple[float, float]) -> VisionInputs | None:
+    with open(config_file, encoding="utf-8") as f, open(processor_file, encoding="utf-8") as g:
+        return vision_inputs(json.load(f), json.load(g))
 
 
-def checkpoint_vision(path: str) -> VisionInputs | None:
-    """Of the checkpoint at `path` (a directory with config.json; a GGUF file: text only)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file() or not (Path(path) / "preprocessor_config.json").is_file():
+@lru_cache(maxsize=16)
+def _read_gguf(path: str, mmproj: str, mtimes: tuple[float, float]) -> VisionInputs | None:
+    from celerytp.core.gguf_vision import gguf_vision  # the two GGUF headers
+
+    return vision_inputs(gguf_vision(path, mmproj)[0])
+
+
+def checkpoint_vision(path: str, mmproj: str | None = None) -> VisionInputs | None:
+    """Of the checkpoint at `path` (a directory with config.json; a GGUF file: text only, or with
+    llama.cpp's `mmproj` file beside it: core/gguf_vision.py)."""
+    if mmproj is not None:
+        return _read_gguf(path, mmproj, (Path(path).stat().st_mtime, Path(mmproj).stat().st_mtime))
+    config_file, processor_file = Path(path) / "config.json", Path(path) / "preprocessor_config.json"
+    if not config_file.is_file() or not processor_file.is_file():
         return None  # a GGUF file; a checkpoint without an image processor is served as text
-    return _read(str(config_file), os.path.getmtime(config_file))
+    return _read(str(config_file), str(processor_file), (config_file.stat().st_mtime, processor_file.stat().st_mtime))
 
 
 def image_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 vision: VisionInputs, images: int) -> list[int]:
-    """A chat with `images` images tokenized as transformers' processor does it: the template's
+                 vision: VisionInputs, sizes: list[tuple[int, int]]) -> list[int]:
+    """A chat with images of `sizes` tokenized as transformers' processor does it: the template's
     mark for each image replaced by the image's tokens (`VisionInputs.expansion`), then tokenized;
     a 400 when the template did not mark each image."""
     text = tokenizer.render_chat(messages, tools)
-    mark, expanded = vision.expansion(tokenizer.backend.id_to_token)
-    if text.count(mark) != images:
-        raise bad_request("messages", f"the model's chat template placed {text.count(mark)} images of {images}")
-    return tokenizer.encode_rendered(text.replace(mark, expanded))
+    mark = vision.expansion(tokenizer.backend.id_to_token, 0)[0]
+    pieces = text.split(mark)
+    if len(pieces) != len(sizes) + 1:
+        raise bad_request("messages", f"the model's chat template placed {len(pieces) - 1} images of {len(sizes)}")
+    out = pieces[0]
+    for size, piece in zip(sizes, pieces[1:]):
+        out += vision.expansion(tokenizer.backend.id_to_token, vision.tokens(size))[1] + piece
+    return tokenizer.encode_rendered(out)
 
 
 def runs(positions: list[int]) -> list[tuple[int, int]]:
@@ -114,13 +178,41 @@ def whole_images(n: int, images: list[tuple[int, int]], low: int = 0) -> int:
     return n
 
 
-def check_placeholders(prompt: list[int], vision: VisionInputs | None, images: int) -> None:
-    """A prompt must hold each image's run of image tokens and no other (a 400 naming `images`)."""
+def mrope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
+                    merge: int) -> tuple[list[list[int]], int]:
+    """Multimodal rotary positions (temporal, height, width) of `ids`, as transformers'
+    Qwen2.5-VL `get_rope_index` makes them, and the delta decoding adds to a position after them.
+
+    Text counts on from where the last token left off, the same in all three; an image (a run of
+    image tokens, grid (t, h, w) patches in turn) sits at that start plus its merged patch's
+    (t, row, column), and the text after it starts past its largest row or column."""
+    streams: list[list[int]] = [[], [], []]
+    at, images, i = 0, iter(grids), 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            for stream in streams:
+                stream.append(at)
+            at, i = at + 1, i + 1
+            continue
+        t, h, w = next(images)
+        h, w = h // merge, w // merge
+        for frame in range(t):
+            for row in range(h):
+                for column in range(w):
+                    streams[0].append(at + frame)
+                    streams[1].append(at + row)
+                    streams[2].append(at + column)
+        i += t * h * w
+        at += max(h, w)
+    return streams, at - len(ids)
+
+
+def check_placeholders(prompt: list[int], vision: VisionInputs | None, tokens: int, images: int) -> None:
+    """A prompt with `images` images must hold their `tokens` image tokens and no other (a 400 naming `images`)."""
     if vision is None:
         if images:
             raise bad_request("images", "this model takes no images (it is not a vision-language model)")
         return
     placed = prompt.count(vision.image_token_id)
-    if placed != images * vision.tokens_per_image:
-        raise bad_request("images", f"the prompt holds {placed} image tokens; {images} images need "
-                                    f"{images * vision.tokens_per_image} ({vision.tokens_per_image} each)")
+    if placed != tokens:
+        raise bad_request("images", f"the prompt holds {placed} image tokens; its {images} images need {tokens}")

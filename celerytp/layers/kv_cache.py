@@ -26,6 +26,8 @@ class CacheSlots:
         active: (B,) bool, decode rows that carry a real token; None = all.
         start: the first position of a prefill's tokens, the same for every row (None for decode),
             known on the host so that no layer reads it back from the device.
+        rope: (3, B, T) temporal, height and width positions for multimodal rotary (Qwen2.5-VL);
+            None: rotary sees `positions`.
     """
 
     rows: torch.Tensor
@@ -36,6 +38,7 @@ class CacheSlots:
     writes: torch.Tensor | None = None
     active: torch.Tensor | None = None
     start: int | None = None
+    rope: torch.Tensor | None = None
 
     @classmethod
     def prefill(cls, row: int, offset: int, count: int, device: torch.device, keys: int | None = None,

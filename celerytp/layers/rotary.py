@@ -203,12 +203,23 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotated size of each head.
         max_positions: table length (the model's max_context).
         rope: frequency parameters.
+        sections: multimodal rotary (Qwen2.5-VL's `mrope_section`): the half's frequencies in
+            consecutive sections, the i-th taken from position stream i % 3 (temporal, height,
+            width), as transformers' `recomposition_frequencies`; None: one position per token.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, *, device: torch.device) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, *, device: torch.device,
+                 sections: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
+        self.streams = None  # (hd,): the position stream each rotated dim takes
+        if sections is not None:
+            if sum(sections) * 2 != head_dim:
+                raise CeleryTPError(ErrorKind.LOAD_FAILED, f"mrope_section {list(sections)} must sum to half the "
+                                                           f"rotary dim {head_dim}")
+            half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
+            self.streams = torch.cat([half, half]).to(device)
         # longrope and dynamic choose per row (module docstring); the others are one lookup.
         per_row = rope.rope_type in ("longrope", "dynamic") and rope.freq_factors is None
         self.per_row = rope.rope_type if per_row else None
@@ -230,7 +241,13 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("long_sin", long_sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, T, hd) each for positions (B, T) (any leading dims; the last is a row)."""
+        """cos, sin (B, T, hd) each for positions (B, T) (any leading dims; the last is a row), or
+        with `sections`, for (3, B, T) temporal, height and width positions."""
+        if self.streams is not None and positions.dim() == 3:
+            pick = self.streams.view(1, 1, 1, -1).expand(1, *positions.shape[1:], -1)
+            cos = self.cos[positions].gather(0, pick)[0]  # each dim from its stream's table row
+            sin = self.sin[positions].gather(0, pick)[0]
+            return cos.to(dtype), sin.to(dtype)
         cos, sin = self.cos[positions], self.sin[positions]
         if self.per_row is not None and positions.shape[-1] > 0:
             cos, sin = self._per_row(positions, cos, sin)

@@ -20,6 +20,7 @@ from celerytp.models.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig
 from celerytp.models.llava import LlavaForCausalLM
 from celerytp.models.moe_archs import MixtralForCausalLM, MoeDecoderForCausalLM, mixtral_fields, qwen3_moe_fields
 from celerytp.models.phi3 import Phi3ForCausalLM, phi3_fields
+from celerytp.models.qwen2_5_vl import Qwen2_5_VLForCausalLM, qwen2_5_vl_fields
 from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 Fields = Callable[[dict[str, Any]], dict[str, Any]]
@@ -70,6 +71,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_moe": Architecture(MoeDecoderForCausalLM, qwen3_moe_fields),
     "mixtral": Architecture(MixtralForCausalLM, mixtral_fields),
     "llava": Architecture(LlavaForCausalLM, llava_fields),
+    "qwen2_5_vl": Architecture(Qwen2_5_VLForCausalLM, qwen2_5_vl_fields),
     "qwen3_next": Architecture(Qwen3NextForCausalLM),
     "qwen3_5": Architecture(Qwen3_5ForCausalLM),
     "qwen3_5_text": Architecture(Qwen3_5ForCausalLM),

@@ -90,6 +90,10 @@ class CausalLM(nn.Module):
         self.max_batch = options.max_batch
         self.step_row = options.max_batch  # step mode's own row, beside the served rows
         self.cache_lens = [0] * cache_rows(options)  # tokens cached per row
+        # Multimodal rotary (Qwen2.5-VL): what each row's rotary position runs ahead of (or behind)
+        # its cache position once its images are in (`set_rope_delta`); 0 for text.
+        self.mrope = getattr(config, "mrope_section", None) is not None
+        self.rope_deltas = [0] * cache_rows(options)
         # Decode pads the batch width and the keys read to powers of two (CacheSlots.decode), so
         # its shapes come from a small set: on the device path, where each new shape costs (a
         # CUDA graph to record, a cuDNN attention plan to build), eager or compiled.
@@ -137,7 +141,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward_tokens(
         self, tokens: torch.Tensor, offset: int, *, last_only: bool = False, row: int | None = None, gather: bool = True,
-        embeds: tuple[list[int], torch.Tensor] | None = None,
+        embeds: tuple[list[int], torch.Tensor] | None = None, rope: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """Run tokens (T,) of cache row `row` (default: step mode's) at positions offset..offset+T-1.
 
@@ -147,7 +151,9 @@ class CausalLM(nn.Module):
         (the serving loop reduces the slices itself, layers/vocab_parallel.py `top_candidates`).
         `embeds`: (indices into `tokens`, rows (K, hidden)) that take those tokens' embeddings'
         places (a vision-language model's image features; each image whole in the piece where
-        its tokens see each other both ways, `VisionInputs.bidirectional`).
+        its tokens see each other both ways, `VisionInputs.bidirectional`). `rope`: the tokens'
+        (temporal, height, width) rotary positions, 3 lists of T (multimodal rotary); else the
+        row's position plus its `rope_deltas`.
         """
         row = self.step_row if row is None else row
         if tokens.dim() != 1 or tokens.numel() == 0:
@@ -169,6 +175,11 @@ class CausalLM(nn.Module):
         ids = to_device(tokens.long(), self.device)[None]  # (1, T)
         both_ways = runs(embeds[0]) if embeds is not None and self.vision.bidirectional else []
         slots = CacheSlots.prefill(row, offset, padded, self.device, keys, both_ways)
+        if rope is not None or self.rope_deltas[row]:
+            streams = rope or [list(range(offset + self.rope_deltas[row], offset + n + self.rope_deltas[row]))] * 3
+            tail = streams[0][-1] + 1
+            streams = [[*s, *range(tail, tail + padded - n)] for s in streams]  # padding's junk positions
+            slots = replace(slots, rope=to_device(streams, self.device)[:, None])  # (3, 1, T)
         h = self.model(ids, slots) if embeds is None else self.model(ids, slots, embeds)  # (1, T, D)
         h = h[:, n - 1 : n] if last_only else h[:, :n]
         logits = self.lm_head(h, gather=gather)[0].float()  # (T, V)
@@ -192,6 +203,7 @@ class CausalLM(nn.Module):
         logits = self.lm_head(last, gather=gather).float()  # (B, V)
         for r, n in zip(rows, lengths):
             self.cache_lens[r] = n
+            self.rope_deltas[r] = 0
         return logits
 
     @torch.inference_mode()
@@ -210,6 +222,9 @@ class CausalLM(nn.Module):
         ids = to_device(tokens, self.device)[:, None]  # (R, 1)
         slots = CacheSlots.decode(positions, active, self.max_context, self.device, bucketed=self.decode_buckets,
                                   masked=self.decode_masked)
+        if any(self.rope_deltas[: len(tokens)]):  # multimodal rotary: rows past their images
+            moved = [p + d if a else 0 for p, d, a in zip(positions, self.rope_deltas, active)]
+            slots = replace(slots, rope=to_device(moved, self.device)[None, :, None].expand(3, -1, -1))  # (3, R, 1)
         if self.decode_buckets and (len(tokens), slots.length) not in self.decode_shapes:
             self.decode_shapes.add((len(tokens), slots.length))
             log.info("decode met a new shape, %d rows x %d keys (with CUDA graphs, one is recorded now)",
@@ -250,6 +265,12 @@ class CausalLM(nn.Module):
         """Forget the cached positions of one row, or of all (buffers stay allocated)."""
         for r in range(len(self.cache_lens)) if row is None else [row]:
             self.cache_lens[r] = 0
+            self.rope_deltas[r] = 0
+
+    def set_rope_delta(self, row: int, delta: int) -> None:
+        """Multimodal rotary: `row`'s tokens from now on sit `delta` rotary positions from their
+        cache positions (its prompt's images took other than one position a token)."""
+        self.rope_deltas[row] = delta
 
     def reusable_prefix(self, held: list[int], prompt: list[int]) -> int:
         """How many leading tokens of `prompt` a row holding `held` can keep (at least one runs)."""
@@ -271,6 +292,7 @@ class CausalLM(nn.Module):
         for cache in self.kv_caches():
             cache.copy_row(src, dst, keep)
         self.cache_lens[dst] = keep
+        self.rope_deltas[dst] = self.rope_deltas[src]
 
     def resize_context(self, max_context: int) -> None:
         """Give every row `max_context` positions: the KV cache and the rotary tables, empty (a

@@ -40,7 +40,9 @@ class ModelConfig:
         moe_layers: layers whose MLP is a routed sparse MoE block (none: dense only), with
             num_experts, num_experts_per_tok, moe_intermediate_size and norm_topk_prob.
         weight_prefix: where the text model's weights live (`model.` or `model.language_model.`).
-        vision_config: a vision-language checkpoint's config.json (None: a text model).
+        vision_config: a vision-language checkpoint's config.json (None: a text model), and
+            image_processor its preprocessor_config.json.
+        mrope_section: multimodal rotary sections (Qwen2.5-VL), None: ordinary rotary.
     """
 
     model_type: str
@@ -77,6 +79,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # A vision-language checkpoint's whole config.json (its vision tower's settings: models/vision.py)
     vision_config: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # and its preprocessor_config.json (models/loader.py `with_image_processor`)
+    image_processor: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # Multimodal rotary (Qwen2.5-VL): the rotary half's frequencies in sections taken from the
+    # temporal, height and width positions in turn (layers/rotary.py); None: one position.
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         require_positive(

@@ -104,7 +104,8 @@ class DecoderModel(nn.Module):
         rotary = config.rotary_dim or config.head_dim
         ropes = [config.rope] if config.local_rope is None else [config.rope, config.local_rope]
         self.rotary_embs = nn.ModuleList(
-            RotaryEmbedding(rotary, options.max_context, rope, device=options.device) for rope in ropes
+            RotaryEmbedding(rotary, options.max_context, rope, device=options.device, sections=config.mrope_section)
+            for rope in ropes
         )
         # Compiled decode (models/compiled.py): `run_layers` over consecutive runs of the layers.
         self.decode_runs: list[Callable[..., torch.Tensor]] | None = None
@@ -119,7 +120,7 @@ class DecoderModel(nn.Module):
             h[0, to_device(at, h.device)] = rows.to(h.dtype)
         tables = []
         for rotary in self.rotary_embs:
-            cos, sin = rotary(slots.positions, h.dtype)  # (B, T, rotary_dim) each
+            cos, sin = rotary(slots.positions if slots.rope is None else slots.rope, h.dtype)  # (B, T, rotary_dim) each
             tables.append((cos[:, None], sin[:, None]))  # (B, 1, T, rotary_dim): broadcast over heads
         if slots.writes is not None and self.decode_runs:
             for run in self.decode_runs:

@@ -12,10 +12,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.model_files import read_json_object
 from celerytp.core.switches import check_switches
 from celerytp.distributed.tp import TPContext
 from celerytp.layers.packed_linear import pack_linears
 from celerytp.loading import Checkpoint, open_checkpoint
+from celerytp.loading.gguf_mmproj import MmprojCheckpoint, open_with_mmproj
 from celerytp.models.architectures import architecture, config_from_hf
 from celerytp.models.base import BuildOptions, CausalLM, Progress
 from celerytp.models.compiled import compile_decode, compile_requested
@@ -42,6 +44,7 @@ def load_model(
     kv_memory_fraction: float | None = None,
     kv_dtype: torch.dtype | None = None,
     prepare: bool = True,
+    mmproj: str | os.PathLike[str] | None = None,
 ) -> CausalLM:
     """Load this rank's shard of the model at `path` (HF directory or .gguf file), and with
     `prepare`, make it ready to decode (`prepare_decode`; a rank worker calls that itself once
@@ -56,11 +59,15 @@ def load_model(
     Raises CeleryTPError(ErrorKind.UNSUPPORTED_ARCH) for paths and architectures we cannot run and
     CeleryTPError(ErrorKind.LOAD_FAILED) for broken checkpoints or impossible splits. `quant` names the
     ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if it is not one); None keeps
-    each GGUF tensor's own type (see celerytp/quant/plan.py) and leaves others float.
+    each GGUF tensor's own type (see celerytp/quant/plan.py) and leaves others float. `mmproj`:
+    llama.cpp's mmproj file of a gemma3 .gguf's vision tower, loaded with it (loading/gguf_mmproj.py).
     """
     check_switches()  # a mistyped CELERYTP_COMPILE or CELERYTP_PACK_LINEARS: fails before any weight is read
-    with open_checkpoint(path) as checkpoint, torch.inference_mode():
-        config = images_if_processed(config_from_hf(checkpoint.hf_config), checkpoint.path)
+    opened = open_checkpoint(path) if mmproj is None else open_with_mmproj(path, mmproj)
+    with opened as checkpoint, torch.inference_mode():
+        config = with_image_processor(config_from_hf(checkpoint.hf_config), checkpoint.path)
+        if isinstance(checkpoint, MmprojCheckpoint):
+            config = checkpoint.with_vision(config)
         plan = resolve_quant(quant, checkpoint, dtype)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         check_context(config, max_context)
@@ -89,13 +96,16 @@ def load_model(
     return model
 
 
-def images_if_processed(config: ModelConfig | HybridConfig, path: str | os.PathLike[str]) -> ModelConfig | HybridConfig:
-    """A vision-language config as served: with its vision tower where the checkpoint ships an
-    image processor (preprocessor_config.json); a gemma3 without one is served as text (its
-    tower skipped, as before images were taken), a llava without one is refused."""
+def with_image_processor(config: ModelConfig | HybridConfig, path: str | os.PathLike[str]) -> ModelConfig | HybridConfig:
+    """A vision-language config as served: with its vision tower and its image processor's
+    settings where the checkpoint ships one (preprocessor_config.json); a gemma3 without one is
+    served as text (its tower skipped, as before images were taken), another is refused."""
     vision = getattr(config, "vision_config", None)
-    if vision is None or (Path(path) / "preprocessor_config.json").is_file():
+    processor = Path(path) / "preprocessor_config.json"
+    if vision is None:
         return config
+    if processor.is_file():
+        return replace(config, image_processor=read_json_object(processor))
     if config.model_type == "gemma3":
         log.info("%s ships no image processor (preprocessor_config.json): served as a text model", path)
         return replace(config, vision_config=None)

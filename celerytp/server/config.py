@@ -113,6 +113,7 @@ def _one_key(key_file: str | None, env: Mapping[str, str], option: str, variable
 class ServeConfig:
     """Args:
     model_path: model file or directory (absolute).
+    mmproj: llama.cpp's mmproj file of a gemma3 .gguf model (absolute), or None.
     model_id: the id clients name it by.
     tp: ranks (world size).
     host, port: where the HTTP API listens.
@@ -133,6 +134,7 @@ class ServeConfig:
 
     model_path: str
     model_id: str
+    mmproj: str | None = None
     tp: int = 2
     host: str = "127.0.0.1"
     port: int = 8000

@@ -1,7 +1,8 @@
 """Every rank: a request's images as its vision-language model's features.
 
 Each rank decodes the images' bytes and preprocesses them with the checkpoint's own transformers
-image processor (preprocessor_config.json, the PIL backend: no torchvision), then runs its replica
+image processor (preprocessor_config.json, the PIL backend: no torchvision; for a GGUF with
+llama.cpp's mmproj, Gemma3ImageProcessor with the mmproj's settings: core/gguf_vision.py), then runs its replica
 of the vision tower (models/vision.py). Every rank computes the same features, so no image tensor
 crosses the group: docs/design.md, "Images".
 """
@@ -20,29 +21,37 @@ from celerytp.models import CausalLM
 log = logging.getLogger(__name__)
 
 
-class ImageFeatures:
-    """Images' bytes -> (images x tokens_per_image, hidden) rows, in the model's dtype and device."""
+Grids = list[tuple[int, int, int]]
 
-    def __init__(self, path: Path, model: CausalLM):
+
+class ImageFeatures:
+    """Images' bytes -> their features, one row per image token in order, in the model's dtype and
+    device; and where an image's size decides its tokens (Qwen2.5-VL), each one's (t, h, w) patch grid."""
+
+    def __init__(self, path: Path, model: CausalLM, mmproj: Path | None = None):
         from transformers import AutoImageProcessor  # only vision-language models pay its import
 
+        self.model = model
+        if mmproj is not None:  # no preprocessor_config.json: the settings the loader read from the mmproj
+            from transformers import Gemma3ImageProcessorPil
+
+            self.processor = Gemma3ImageProcessorPil(**model.config.image_processor)
+            return
         directory = path if path.is_dir() else path.parent
         try:
             self.processor = AutoImageProcessor.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"image processor (preprocessor_config.json): {exc}") from None
-        self.model = model
 
     @torch.inference_mode()
-    def __call__(self, images: list[bytes]) -> torch.Tensor:
+    def __call__(self, images: list[bytes]) -> tuple[torch.Tensor, Grids | None]:
         from PIL import Image
 
-        pixels = self.processor(images=[Image.open(io.BytesIO(data)) for data in images],
-                                return_tensors="pt")["pixel_values"]
-        features = self.model.encode_images(pixels.to(self.model.device))  # (images, places, hidden)
-        return features.flatten(0, 1)
+        processed = self.processor(images=[Image.open(io.BytesIO(data)) for data in images], return_tensors="pt")
+        grids = processed.get("image_grid_thw")
+        return self.model.encode_images(processed), None if grids is None else [tuple(g) for g in grids.tolist()]
 
 
-def image_features(path: Path, model: CausalLM) -> ImageFeatures | None:
-    """A vision-language model's ImageFeatures; None for a text model."""
-    return ImageFeatures(path, model) if model.vision is not None else None
+def image_features(path: Path, model: CausalLM, mmproj: Path | None = None) -> ImageFeatures | None:
+    """A vision-language model's ImageFeatures (`mmproj`: the one it was loaded with); None for a text model."""
+    return ImageFeatures(path, model, mmproj) if model.vision is not None else None

@@ -41,11 +41,11 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def confine(path: str, roots: tuple[str, ...]) -> Path:
-    """Resolve `path`; it, and every file in it that a load may open (symlinks resolved), must lie
-    under a configured model root or be the default model."""
+def confine(path: str, roots: tuple[str, ...], field: str = "path") -> Path:
+    """Resolve `path` (the load request's `field`); it, and every file in it that a load may open
+    (symlinks resolved), must lie under a configured model root or be the default model."""
     if "\x00" in path:
-        raise CeleryTPError(ErrorKind.BAD_REQUEST, "field 'path': a NUL byte is not allowed in a path")
+        raise CeleryTPError(ErrorKind.BAD_REQUEST, f"field '{field}': a NUL byte is not allowed in a path")
     real = Path(path).expanduser().resolve()
     allowed = [Path(r).expanduser().resolve() for r in roots]
     try:
@@ -59,12 +59,12 @@ def confine(path: str, roots: tuple[str, ...]) -> Path:
     if not inside(real):  # the roots go to this rank's log only: a refusal never tells a caller where they are
         log.warning("refused to load %s: outside the model roots %s", path, [str(r) for r in allowed])
         raise CeleryTPError(ErrorKind.BAD_REQUEST,
-                            f"field 'path': {path} is outside the model roots this server allows")
+                            f"field '{field}': {path} is outside the model roots this server allows")
     if real.is_dir():
         for entry in real.iterdir():
             if not inside(entry.resolve()):
                 raise CeleryTPError(
-                    ErrorKind.BAD_REQUEST, f"field 'path': {entry.name} in {path} links outside the model roots"
+                    ErrorKind.BAD_REQUEST, f"field '{field}': {entry.name} in {path} links outside the model roots"
                 )
     return real
 
@@ -165,6 +165,7 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     progress = ProgressReporter(state, request.model_id)
     try:
         path = confine(request.path, state.config.model_roots)
+        mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
         check_half_precision(DTYPES[dtype_name], state.device)
         with read_deadline(request.read_deadline_s), mapped_weights():
             if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
@@ -174,9 +175,9 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
                 max_context=request.max_context, max_batch=request.max_batch,
                 progress=progress,
                 quant=request.quant, kv_cache_bytes=request.kv_cache_bytes, kv_memory_fraction=request.kv_memory_fraction,
-                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False,
+                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False, mmproj=mmproj,
             )
-            images = image_features(path, model)
+            images = image_features(path, model, mmproj)
     except Exception as exc:  # noqa: BLE001 - a broken file must not take the worker down
         failure = _load_failure(request, exc)
     # All ranks or none: every rank read its shard before any compiles decode (its warm-up runs

@@ -19,12 +19,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
 
 import torch
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.images import check_image, content_keys
+from celerytp.core.images import check_image, content_keys, image_size
 from celerytp.core.images import decode as decode_images
 from celerytp.core.protocol import GenSpec, RowResult
 from celerytp.core.sampling import SamplingParams
@@ -32,7 +33,7 @@ from celerytp.core.step_clock import per_step_us, reset, timed
 from celerytp.core.stopping import StopChecker
 from celerytp.core.switches import SYNC_CHECK_ENV, switch
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, sampling_params
-from celerytp.core.vision_inputs import check_placeholders, runs, whole_images
+from celerytp.core.vision_inputs import VisionInputs, check_placeholders, mrope_positions, runs, whole_images
 from celerytp.distributed.control import ControlGroup
 from celerytp.layers.host_transfer import to_device, to_host
 from celerytp.models import CausalLM
@@ -102,6 +103,10 @@ class Sequence:
     # prompt (computed at its first prefill piece), and where those tokens sit in `feed`
     image_rows: torch.Tensor | None = None
     image_at: list[int] = field(default_factory=list)
+    # every rank, multimodal rotary: the feed's (temporal, height, width) rotary positions, and
+    # what a decode step adds to a position after them (CausalLM.set_rope_delta)
+    rope: list[list[int]] | None = None
+    rope_delta: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -391,16 +396,25 @@ class ServingLoop:
         if not spec.images:
             return feed
         vision = self.model.vision
-        keys = content_keys(feed[: len(spec.prompt)], vision.image_token_id, vision.tokens_per_image, spec.images)
+        keys = content_keys(feed[: len(spec.prompt)], vision.image_token_id, self._image_tokens(spec), spec.images)
         return [*keys, *feed[len(spec.prompt) :]]
+
+    def _image_tokens(self, spec: GenSpec) -> list[int]:
+        """The places each of `spec`'s images takes (from its size, for a model where that decides)."""
+        vision = self.model.vision
+        if vision.grid is None:
+            return [vision.tokens_per_image] * len(spec.images)
+        return [_sized_tokens(vision, image) for image in spec.images]
 
     def _check(self, spec: GenSpec) -> None:
         """What a rank must refuse before a request enters a row (the leader checked it too)."""
         check_tokens([*spec.prompt, *spec.resumed], max_context=self.model.max_context,
                      vocab_size=self.model.config.vocab_size, field="prompt")
-        check_placeholders(spec.prompt, self.model.vision, len(spec.images))
-        for i, image in enumerate(decode_images(spec.images)):  # so that no rank's prefill meets a bad one
+        images = decode_images(spec.images)
+        for i, image in enumerate(images):  # so that no rank's prefill meets a bad one
             check_image(image, f"images[{i}]")
+        tokens = sum(self._image_tokens(spec)) if self.model.vision is not None else 0
+        check_placeholders(spec.prompt, self.model.vision, tokens, len(images))
         check_logit_bias(sampling_params(spec.sampling), self.model.config.vocab_size)
         if spec.stop and self.decode is None:
             raise bad_request("stop", "this model was loaded without a tokenizer: stop strings cannot be matched")
@@ -459,6 +473,7 @@ class ServingLoop:
                 self.stats["shared_prompt_tokens"] += reused
             else:
                 self.model.truncate(row, reused)
+            self.model.set_rope_delta(row, 0)  # text's; a prompt's images set theirs once it is in
             feed, keys = self._feed(spec), self._keys(spec)
             self.row_tokens[row] = list(keys[:reused])
             forced = [] if len(feed) > len(spec.prompt) else list(spec.resumed)
@@ -560,8 +575,10 @@ class ServingLoop:
             if seeded and _seeded(seq.spec) and end < min(len(seq.feed), seq.fed + chunk):
                 continue  # another seeded row took part of the budget: a whole chunk in a later step
             piece = torch.tensor(seq.feed[seq.fed : end], dtype=torch.long)
+            embeds = self._images_in(seq, end)
+            rope = [stream[seq.fed : end] for stream in seq.rope] if seq.rope is not None else None
             logits = self.model.forward_tokens(piece, seq.fed, last_only=not every, row=seq.row, gather=False,
-                                               embeds=self._images_in(seq, end))
+                                               embeds=embeds, rope=rope)
             if every:
                 self._prompt_scores(seq, logits, end)
             budget -= end - seq.fed
@@ -594,9 +611,13 @@ class ServingLoop:
         if not seq.spec.images:
             return None
         if seq.image_rows is None:
-            seq.image_rows = self.image_features(decode_images(seq.spec.images))  # (images x places, hidden)
+            seq.image_rows, grids = self.image_features(decode_images(seq.spec.images))  # (image tokens, hidden)
             token = self.model.vision.image_token_id
             seq.image_at = [i for i, t in enumerate(seq.spec.prompt) if t == token]
+            if self.model.mrope:  # the whole feed's: the prompt's, then its resumed tokens' after
+                prompt = len(seq.spec.prompt)
+                seq.rope, seq.rope_delta = mrope_positions(seq.spec.prompt, token, grids, self.model.vision.grid.merge)
+                seq.rope = [[*s, *range(prompt + seq.rope_delta, len(seq.feed) + seq.rope_delta)] for s in seq.rope]
         picked = [(i - seq.fed, k) for k, i in enumerate(seq.image_at) if seq.fed <= i < end]
         if not picked:
             return None
@@ -605,6 +626,8 @@ class ServingLoop:
     def _prefilled(self, seq: Sequence, end: int) -> None:
         self.row_tokens[seq.row].extend(seq.keys[seq.fed : end])
         seq.fed = end
+        if not seq.prefilling and seq.rope_delta:
+            self.model.set_rope_delta(seq.row, seq.rope_delta)
 
     def _scores(self, seqs: list[Sequence], local: torch.Tensor | None) -> Scores | None:
         """Every rank: join the rows' vocabulary slices (`local`, (S, V_local)) as rank 0's sampling
@@ -768,6 +791,12 @@ class ServingLoop:
             reused_tokens=seq.reused, logprobs=seq.logprobs, token_gaps_s=seq.gaps, resumed=bool(seq.spec.resumed),
             prompt_logprobs=seq.prompt_logprobs,
         )
+
+
+@lru_cache(maxsize=256)
+def _sized_tokens(vision: VisionInputs, image: str) -> int:
+    """Places of an image (as a request carries it) where its size decides them: read once."""
+    return vision.tokens(image_size(decode_images([image])[0]))
 
 
 def _seeded(spec: GenSpec) -> bool:
