@@ -1,8 +1,9 @@
 """Tiny random vision-language models saved as Hugging Face directories with a real tokenizer
 (SmolLM2's plus the family's image tokens), a chat template that places images, and the family's
 image processor: llava (CLIP tower, llama text model), gemma3 (SigLIP tower, its text model,
-image tokens that see their whole image) and qwen2_5_vl (windowed ViT, tokens by image size,
-multimodal rotary); and transformers' own processor and model over each, the independent reference."""
+image tokens that see their whole image), qwen2_5_vl (windowed ViT, tokens by image size,
+multimodal rotary) and mistral3 (Pixtral tower, rows of image tokens ending in [IMG_BREAK]); and
+transformers' own processor and model over each, the independent reference."""
 
 from __future__ import annotations
 
@@ -126,6 +127,27 @@ def write_tiny_qwen2_5_vl(path: Path, seed: int = 7) -> Path:
     return path
 
 
+MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+MISTRAL3_CELL = 4 * 2  # patch x spatial merge
+
+
+def write_tiny_mistral3(path: Path, seed: int = 8) -> Path:
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessorPil
+
+    image, _, _ = _tokenizer(path, MISTRAL3_TOKENS, chat_template(MISTRAL3_TOKENS[0]))
+    config = Mistral3Config(
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, head_dim=8, image_size=64, patch_size=4, hidden_act="silu"),
+        text_config=dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=image + 3,
+                         max_position_embeddings=512, sliding_window=None),
+        image_token_index=image, spatial_merge_size=2,
+    )  # fmt: skip
+    _randomized(Mistral3ForConditionalGeneration(config), seed).save_pretrained(path)
+    PixtralImageProcessorPil(size={"longest_edge": 48}, patch_size=4).save_pretrained(path)
+    return path
+
+
 def picture(seed: int, size: tuple[int, int] = (40, 52), fmt: str = "PNG") -> bytes:
     from PIL import Image
 
@@ -180,6 +202,9 @@ def reference_inputs(path: Path, messages: list[dict[str, Any]]) -> dict[str, An
     if _family(path) == "qwen2_5_vl":
         return _qwen_inputs(path, jinja2.Template(chat_template(QWEN_MARK)).render(
             messages=plain, add_generation_prompt=True), images)  # fmt: skip
+    if _family(path) == "mistral3":
+        return _mistral3_inputs(path, jinja2.Template(chat_template(MISTRAL3_TOKENS[0])).render(
+            messages=plain, add_generation_prompt=True), images)  # fmt: skip
     processor = _processor(path)
     text = jinja2.Template(processor.chat_template).render(messages=plain, add_generation_prompt=True)
     return processor(text=text, images=images or None, return_tensors="pt")
@@ -203,15 +228,32 @@ def _qwen_inputs(path: Path, text: str, images: list[Any]) -> dict[str, Any]:
             **pixels}
 
 
+def _mistral3_inputs(path: Path, text: str, images: list[Any]) -> dict[str, Any]:
+    """What PixtralProcessor makes (it cannot be built here: it wants torchvision): its image
+    processor's pixels with patch x merge as the patch, each `[IMG]` replaced by the image's rows
+    of `[IMG]`s, each row ending in `[IMG_BREAK]` but the last in `[IMG_END]`, tokenized."""
+    from transformers import AutoImageProcessor, PreTrainedTokenizerFast
+
+    cell = {"height": MISTRAL3_CELL, "width": MISTRAL3_CELL}
+    pixels = AutoImageProcessor.from_pretrained(path)(images=images, patch_size=cell, return_tensors="pt")
+    image, row_end, end = MISTRAL3_TOKENS
+    pieces = text.split(image)
+    rows = [[image * (w // MISTRAL3_CELL)] * (h // MISTRAL3_CELL) for h, w in pixels["image_sizes"].tolist()]
+    text = pieces[0] + "".join(row_end.join(r) + end + piece for r, piece in zip(rows, pieces[1:]))
+    ids = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))(text, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, **pixels}
+
+
 def reference_model(path: Path) -> Any:
     from transformers import (
         Gemma3ForConditionalGeneration,
         LlavaForConditionalGeneration,
+        Mistral3ForConditionalGeneration,
         Qwen2_5_VLForConditionalGeneration,
     )
 
-    model_cls = {"gemma3": Gemma3ForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}.get(
-        _family(path), LlavaForConditionalGeneration)
+    model_cls = {"gemma3": Gemma3ForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+                 "mistral3": Mistral3ForConditionalGeneration}.get(_family(path), LlavaForConditionalGeneration)
     return model_cls.from_pretrained(path).eval()
 
 

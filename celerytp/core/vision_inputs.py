@@ -24,6 +24,9 @@ GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_
 # Qwen2_5_VLConfig's and Qwen2VLImageProcessor's
 QWEN_VL_DEFAULTS = {"image_token_id": 151_655}
 QWEN_VISION_DEFAULTS = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+# Mistral3Config's and PixtralImageProcessor's
+MISTRAL3_DEFAULTS = {"image_token_index": 10, "spatial_merge_size": 2}
+PIXTRAL_PROCESSOR_DEFAULTS = {"size": {"longest_edge": 1024}, "patch_size": 16}
 
 
 @dataclass(frozen=True)
@@ -61,15 +64,42 @@ class ImageGrid:
 
 
 @dataclass(frozen=True)
+class PixtralGrid:
+    """Mistral 3's image processor's resizing (PixtralImageProcessor, as PixtralProcessor calls it):
+    an image larger than `longest_edge` scaled down into it, each side then rounded up to whole
+    `cell`s (patch x spatial merge), one image token per cell. Its tokens follow its size."""
+
+    longest_edge: int = 1024
+    cell: int = 32
+
+    @classmethod
+    def of(cls, config: dict[str, Any], processor: dict[str, Any]) -> PixtralGrid:
+        p = {**PIXTRAL_PROCESSOR_DEFAULTS, **processor}
+        patch = p["patch_size"]["height"] if isinstance(p["patch_size"], dict) else p["patch_size"]
+        size = p["size"]
+        edge = size.get("longest_edge") or max(size.get("height", 0), size.get("width", 0))
+        return cls(int(edge), int(patch) * int(config["spatial_merge_size"]))
+
+    def cells(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of tokens of an image of this size."""
+        ratio = max(height / self.longest_edge, width / self.longest_edge)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        return (height - 1) // self.cell + 1, (width - 1) // self.cell + 1
+
+
+@dataclass(frozen=True)
 class VisionInputs:
     """How a checkpoint's prompts hold images.
 
     image_token_id: the token whose places take an image's features: `tokens_per_image` of them
-    per image, or where the image's size decides (`grid`, Qwen2.5-VL) as many as its merged
-    patches. begin_token_id / end_token_id: where the chat template renders one begin token per
-    image (gemma3's `<start_of_image>`), which the processor expands to blank lines, begin, the
-    image tokens, end, blank lines; None where the template renders the image token itself.
-    bidirectional: an image's tokens attend to each other both ways at prefill (gemma3).
+    per image, or where the image's size decides as many as its merged patches (`grid`,
+    Qwen2.5-VL) or its cells (`cells`, Mistral 3, whose rows each end in `[IMG_BREAK]`, the last
+    in `[IMG_END]`, tokens that take no feature). begin_token_id / end_token_id: where the chat
+    template renders one begin token per image (gemma3's `<start_of_image>`), which the processor
+    expands to blank lines, begin, the image tokens, end, blank lines; None where the template
+    renders the image token itself. bidirectional: an image's tokens attend to each other both
+    ways at prefill (gemma3).
     """
 
     image_token_id: int
@@ -78,22 +108,37 @@ class VisionInputs:
     end_token_id: int | None = None
     bidirectional: bool = False
     grid: ImageGrid | None = None
+    cells: PixtralGrid | None = None
+
+    @property
+    def sized(self) -> bool:
+        """Whether an image's size decides its places."""
+        return self.grid is not None or self.cells is not None
 
     def tokens(self, size: tuple[int, int]) -> int:
         """Places an image of `size` (width, height) takes."""
-        if self.grid is None:
-            return self.tokens_per_image
-        rows, columns = self.grid.patches(*size)
-        return rows * columns // self.grid.merge**2
+        if self.grid is not None:
+            rows, columns = self.grid.patches(*size)
+            return rows * columns // self.grid.merge**2
+        if self.cells is not None:
+            rows, columns = self.cells.cells(*size)
+            return rows * columns
+        return self.tokens_per_image
 
-    def expansion(self, token_text: Callable[[int], str], tokens: int) -> tuple[str, str]:
-        """(what the template renders per image, the text transformers' processor puts in its place
-        for an image of `tokens` places)."""
+    def mark(self, token_text: Callable[[int], str]) -> str:
+        """What the chat template renders for each image."""
+        return token_text(self.image_token_id if self.begin_token_id is None else self.begin_token_id)
+
+    def expansion(self, token_text: Callable[[int], str], size: tuple[int, int]) -> str:
+        """The text transformers' processor puts in the mark's place for an image of `size`."""
         image = token_text(self.image_token_id)
+        if self.cells is not None:
+            rows, columns = self.cells.cells(*size)
+            return f"{image * columns}[IMG_BREAK]" * (rows - 1) + f"{image * columns}[IMG_END]"
         if self.begin_token_id is None:
-            return image, image * tokens
+            return image * self.tokens(size)
         begin, end = token_text(self.begin_token_id), token_text(self.end_token_id)
-        return begin, f"\n\n{begin}{image * tokens}{end}\n\n"
+        return f"\n\n{begin}{image * self.tokens(size)}{end}\n\n"
 
 
 def vision_inputs(hf_config: dict[str, Any], processor: dict[str, Any] | None = None) -> VisionInputs | None:
@@ -103,6 +148,9 @@ def vision_inputs(hf_config: dict[str, Any], processor: dict[str, Any] | None = 
         d = {**GEMMA3_DEFAULTS, **hf_config}
         return VisionInputs(int(d.get("image_token_id", d["image_token_index"])), int(d["mm_tokens_per_image"]),
                             int(d["boi_token_index"]), int(d["eoi_token_index"]), bidirectional=True)
+    if model_type == "mistral3":
+        d = {**MISTRAL3_DEFAULTS, **hf_config}
+        return VisionInputs(int(d.get("image_token_id", d["image_token_index"])), cells=PixtralGrid.of(d, processor or {}))
     if model_type == "qwen2_5_vl":
         d = {**QWEN_VL_DEFAULTS, **hf_config}
         return VisionInputs(int(d["image_token_id"]), grid=ImageGrid.of(d.get("vision_config") or {}, processor or {}))
@@ -148,13 +196,12 @@ def image_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: li
     mark for each image replaced by the image's tokens (`VisionInputs.expansion`), then tokenized;
     a 400 when the template did not mark each image."""
     text = tokenizer.render_chat(messages, tools)
-    mark = vision.expansion(tokenizer.backend.id_to_token, 0)[0]
-    pieces = text.split(mark)
+    pieces = text.split(vision.mark(tokenizer.backend.id_to_token))
     if len(pieces) != len(sizes) + 1:
         raise bad_request("messages", f"the model's chat template placed {len(pieces) - 1} images of {len(sizes)}")
     out = pieces[0]
     for size, piece in zip(sizes, pieces[1:]):
-        out += vision.expansion(tokenizer.backend.id_to_token, vision.tokens(size))[1] + piece
+        out += vision.expansion(tokenizer.backend.id_to_token, size) + piece
     return tokenizer.encode_rendered(out)
 
 

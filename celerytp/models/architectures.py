@@ -18,6 +18,7 @@ from celerytp.models.dense_archs import mistral_fields, qwen2_fields
 from celerytp.models.gemma3 import Gemma3ForCausalLM, gemma3_fields
 from celerytp.models.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig
 from celerytp.models.llava import LlavaForCausalLM
+from celerytp.models.mistral3 import Mistral3ForCausalLM, mistral3_fields
 from celerytp.models.moe_archs import MixtralForCausalLM, MoeDecoderForCausalLM, mixtral_fields, qwen3_moe_fields
 from celerytp.models.phi3 import Phi3ForCausalLM, phi3_fields
 from celerytp.models.qwen2_5_vl import Qwen2_5_VLForCausalLM, qwen2_5_vl_fields
@@ -72,6 +73,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": Architecture(MixtralForCausalLM, mixtral_fields),
     "llava": Architecture(LlavaForCausalLM, llava_fields),
     "qwen2_5_vl": Architecture(Qwen2_5_VLForCausalLM, qwen2_5_vl_fields),
+    "mistral3": Architecture(Mistral3ForCausalLM, mistral3_fields),
     "qwen3_next": Architecture(Qwen3NextForCausalLM),
     "qwen3_5": Architecture(Qwen3_5ForCausalLM),
     "qwen3_5_text": Architecture(Qwen3_5ForCausalLM),

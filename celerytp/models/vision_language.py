@@ -73,6 +73,11 @@ class VisionLanguageModel(CausalLM):
             log.info("%s: text model only; skipping %d vision tower and projector tensors", checkpoint.path, skipped)
         return super().load_weights(checkpoint, progress)
 
+    @property
+    def processor_options(self) -> dict[str, Any]:
+        """What the image processor is called with beside the images (as transformers' processor calls it)."""
+        return {}
+
     @torch.inference_mode()
     def encode_images(self, processed: dict[str, torch.Tensor]) -> torch.Tensor:
         """The image processor's output (pixel_values (N, 3, H, W)) -> one row per image token,

@@ -47,7 +47,8 @@ class ImageFeatures:
     def __call__(self, images: list[bytes]) -> tuple[torch.Tensor, Grids | None]:
         from PIL import Image
 
-        processed = self.processor(images=[Image.open(io.BytesIO(data)) for data in images], return_tensors="pt")
+        processed = self.processor(images=[Image.open(io.BytesIO(data)) for data in images], return_tensors="pt",
+                                   **self.model.processor_options)
         grids = processed.get("image_grid_thw")
         return self.model.encode_images(processed), None if grids is None else [tuple(g) for g in grids.tolist()]
 

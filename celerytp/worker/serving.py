@@ -402,7 +402,7 @@ class ServingLoop:
     def _image_tokens(self, spec: GenSpec) -> list[int]:
         """The places each of `spec`'s images takes (from its size, for a model where that decides)."""
         vision = self.model.vision
-        if vision.grid is None:
+        if not vision.sized:
             return [vision.tokens_per_image] * len(spec.images)
         return [_sized_tokens(vision, image) for image in spec.images]
 
