@@ -1,5 +1,6 @@
 """Vision-language models (llava: CLIP tower, llama text model; gemma3: SigLIP tower, image tokens
 that see their whole image; qwen2_5_vl: windowed ViT, tokens by image size, multimodal rotary;
+qwen3_vl: deepstack features into the first text layers, interleaved multimodal rotary;
 mistral3: Pixtral tower, rows of image tokens)
 against transformers' own processor and model, in one forward, in prefill pieces, and through the
 serving loop at TP 1 and 2: alone, beside text rows, in one request with two images of different
@@ -21,6 +22,7 @@ from vision_fixtures import (
     write_tiny_llava,
     write_tiny_mistral3,
     write_tiny_qwen2_5_vl,
+    write_tiny_qwen3_vl,
 )
 
 from celerytp.client.generation import tokenized
@@ -39,7 +41,7 @@ TURNS = {
 
 
 FAMILIES = {"llava": write_tiny_llava, "gemma3": write_tiny_gemma3, "qwen2_5_vl": write_tiny_qwen2_5_vl,
-            "mistral3": write_tiny_mistral3}
+            "qwen3_vl": write_tiny_qwen3_vl, "mistral3": write_tiny_mistral3}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

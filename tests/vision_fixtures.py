@@ -2,6 +2,7 @@
 (SmolLM2's plus the family's image tokens), a chat template that places images, and the family's
 image processor: llava (CLIP tower, llama text model), gemma3 (SigLIP tower, its text model,
 image tokens that see their whole image), qwen2_5_vl (windowed ViT, tokens by image size,
+multimodal rotary), qwen3_vl (deepstack features into the first text layers, interleaved
 multimodal rotary) and mistral3 (Pixtral tower, rows of image tokens ending in [IMG_BREAK]); and
 transformers' own processor and model over each, the independent reference."""
 
@@ -127,6 +128,26 @@ def write_tiny_qwen2_5_vl(path: Path, seed: int = 7) -> Path:
     return path
 
 
+def write_tiny_qwen3_vl(path: Path, seed: int = 9) -> Path:
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    start, end, image, video = _tokenizer(path, QWEN_TOKENS, chat_template(QWEN_MARK))
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=video + 1, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
+                           patch_size=QWEN_PROCESSOR["patch_size"], spatial_merge_size=2, temporal_patch_size=2,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+    )  # fmt: skip
+    _randomized(Qwen3VLForConditionalGeneration(config), seed).save_pretrained(path)
+    Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
+    return path
+
+
 MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 MISTRAL3_CELL = 4 * 2  # patch x spatial merge
 
@@ -199,7 +220,7 @@ def reference_inputs(path: Path, messages: list[dict[str, Any]]) -> dict[str, An
               if p["type"] == "image_url"]  # fmt: skip
     plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else
               [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]} for m in messages]
-    if _family(path) == "qwen2_5_vl":
+    if _family(path) in ("qwen2_5_vl", "qwen3_vl"):
         return _qwen_inputs(path, jinja2.Template(chat_template(QWEN_MARK)).render(
             messages=plain, add_generation_prompt=True), images)  # fmt: skip
     if _family(path) == "mistral3":
@@ -250,10 +271,12 @@ def reference_model(path: Path) -> Any:
         LlavaForConditionalGeneration,
         Mistral3ForConditionalGeneration,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
     )
 
     model_cls = {"gemma3": Gemma3ForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-                 "mistral3": Mistral3ForConditionalGeneration}.get(_family(path), LlavaForConditionalGeneration)
+                 "qwen3_vl": Qwen3VLForConditionalGeneration, "mistral3": Mistral3ForConditionalGeneration}.get(
+        _family(path), LlavaForConditionalGeneration)
     return model_cls.from_pretrained(path).eval()
 
 

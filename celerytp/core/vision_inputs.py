@@ -151,7 +151,7 @@ def vision_inputs(hf_config: dict[str, Any], processor: dict[str, Any] | None = 
     if model_type == "mistral3":
         d = {**MISTRAL3_DEFAULTS, **hf_config}
         return VisionInputs(int(d.get("image_token_id", d["image_token_index"])), cells=PixtralGrid.of(d, processor or {}))
-    if model_type == "qwen2_5_vl":
+    if model_type in ("qwen2_5_vl", "qwen3_vl"):
         d = {**QWEN_VL_DEFAULTS, **hf_config}
         return VisionInputs(int(d["image_token_id"]), grid=ImageGrid.of(d.get("vision_config") or {}, processor or {}))
     if model_type != "llava":

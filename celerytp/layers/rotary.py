@@ -203,13 +203,16 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotated size of each head.
         max_positions: table length (the model's max_context).
         rope: frequency parameters.
-        sections: multimodal rotary (Qwen2.5-VL's `mrope_section`): the half's frequencies in
-            consecutive sections, the i-th taken from position stream i % 3 (temporal, height,
-            width), as transformers' `recomposition_frequencies`; None: one position per token.
+        sections: multimodal rotary (`mrope_section`): the half's frequencies in consecutive
+            sections, the i-th taken from position stream i % 3 (temporal, height, width), as
+            Qwen2.5-VL's `recomposition_frequencies`; None: one position per token.
+        interleaved: the sections' frequencies interleaved instead (Qwen3-VL): frequency f takes
+            the height stream where f % 3 == 1 and f < 3 x sections[1], the width stream where
+            f % 3 == 2 and f < 3 x sections[2], else the temporal one.
     """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, *, device: torch.device,
-                 sections: tuple[int, ...] | None = None) -> None:
+                 sections: tuple[int, ...] | None = None, interleaved: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
@@ -218,7 +221,13 @@ class RotaryEmbedding(nn.Module):
             if sum(sections) * 2 != head_dim:
                 raise CeleryTPError(ErrorKind.LOAD_FAILED, f"mrope_section {list(sections)} must sum to half the "
                                                            f"rotary dim {head_dim}")
-            half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
+            if interleaved:
+                f = torch.arange(head_dim // 2)
+                half = torch.zeros_like(f)
+                for stream in (1, 2):
+                    half[(f % 3 == stream) & (f < 3 * sections[stream])] = stream
+            else:
+                half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
             self.streams = torch.cat([half, half]).to(device)
         # longrope and dynamic choose per row (module docstring); the others are one lookup.
         per_row = rope.rope_type in ("longrope", "dynamic") and rope.freq_factors is None

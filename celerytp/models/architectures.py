@@ -12,9 +12,9 @@ from typing import Any
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.models.base import CausalLM
-from celerytp.models.config import ModelConfig, common_fields, sliding_fields
+from celerytp.models.config import ModelConfig
 from celerytp.models.decoder import DecoderForCausalLM
-from celerytp.models.dense_archs import mistral_fields, qwen2_fields
+from celerytp.models.dense_archs import llama_fields, mistral_fields, qwen2_fields, qwen3_fields
 from celerytp.models.gemma3 import Gemma3ForCausalLM, gemma3_fields
 from celerytp.models.hybrid_config import HYBRID_MODEL_TYPES, HybridConfig
 from celerytp.models.llava import LlavaForCausalLM
@@ -23,16 +23,9 @@ from celerytp.models.moe_archs import MixtralForCausalLM, MoeDecoderForCausalLM,
 from celerytp.models.phi3 import Phi3ForCausalLM, phi3_fields
 from celerytp.models.qwen2_5_vl import Qwen2_5_VLForCausalLM, qwen2_5_vl_fields
 from celerytp.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from celerytp.models.qwen3_vl import Qwen3VLForCausalLM, qwen3_vl_fields
 
 Fields = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def llama_fields(d: dict[str, Any]) -> dict[str, Any]:
-    return common_fields(d) | sliding_fields(d, d["num_hidden_layers"])
-
-
-def qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
-    return llama_fields(d) | {"qk_norm": True}
 
 
 LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")
@@ -74,6 +67,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llava": Architecture(LlavaForCausalLM, llava_fields),
     "qwen2_5_vl": Architecture(Qwen2_5_VLForCausalLM, qwen2_5_vl_fields),
     "mistral3": Architecture(Mistral3ForCausalLM, mistral3_fields),
+    "qwen3_vl": Architecture(Qwen3VLForCausalLM, qwen3_vl_fields),
     "qwen3_next": Architecture(Qwen3NextForCausalLM),
     "qwen3_5": Architecture(Qwen3_5ForCausalLM),
     "qwen3_5_text": Architecture(Qwen3_5ForCausalLM),

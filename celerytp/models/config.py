@@ -84,6 +84,7 @@ class ModelConfig:
     # Multimodal rotary (Qwen2.5-VL): the rotary half's frequencies in sections taken from the
     # temporal, height and width positions in turn (layers/rotary.py); None: one position.
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's layout of those sections
 
     def __post_init__(self) -> None:
         require_positive(

@@ -104,7 +104,8 @@ class DecoderModel(nn.Module):
         rotary = config.rotary_dim or config.head_dim
         ropes = [config.rope] if config.local_rope is None else [config.rope, config.local_rope]
         self.rotary_embs = nn.ModuleList(
-            RotaryEmbedding(rotary, options.max_context, rope, device=options.device, sections=config.mrope_section)
+            RotaryEmbedding(rotary, options.max_context, rope, device=options.device, sections=config.mrope_section,
+                            interleaved=config.mrope_interleaved)
             for rope in ropes
         )
         # Compiled decode (models/compiled.py): `run_layers` over consecutive runs of the layers.
@@ -115,9 +116,12 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(ids)  # (B, T, D)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)  # rounded to the weights' dtype, as gemma does
+        deep: list[torch.Tensor] = []
         if embeds is not None:  # image features in their tokens' places (one row: CausalLM.forward_tokens)
             at, rows = embeds
-            h[0, to_device(at, h.device)] = rows.to(h.dtype)
+            at = to_device(at, h.device)
+            rows, *deep = rows.to(h.dtype).split(h.shape[-1], -1)  # wider: Qwen3-VL's deepstack features too
+            h[0, at] = rows
         tables = []
         for rotary in self.rotary_embs:
             cos, sin = rotary(slots.positions if slots.rope is None else slots.rope, h.dtype)  # (B, T, rotary_dim) each
@@ -125,6 +129,11 @@ class DecoderModel(nn.Module):
         if slots.writes is not None and self.decode_runs:
             for run in self.decode_runs:
                 h = run(h, tables, slots)
+        elif deep:  # each deepstack feature added to the image tokens' states after its layer
+            for i, layer in enumerate(self.layers):
+                h = layer(h, *tables[layer.rope], slots)
+                if i < len(deep):
+                    h[0].index_add_(0, at, deep[i])
         else:
             h = run_layers(self.layers, h, tables, slots)
         return self.norm(h)

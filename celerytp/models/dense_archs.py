@@ -15,6 +15,15 @@ from typing import Any
 
 from celerytp.models.config import common_fields, sliding_fields
 
+
+def llama_fields(d: dict[str, Any]) -> dict[str, Any]:
+    return common_fields(d) | sliding_fields(d, d["num_hidden_layers"])
+
+
+def qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    return llama_fields(d) | {"qk_norm": True}
+
+
 QWEN2_DEFAULTS = {"use_sliding_window": False, "max_window_layers": 28}  # Qwen2Config's own
 
 
