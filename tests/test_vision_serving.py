@@ -6,6 +6,7 @@ problem while the group serves on; images counted in /metrics."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -146,3 +147,15 @@ def test_metrics_count_images(client, served):
     before = images()
     chat(client, [user_turn("Two of them.", picture(9), picture(10))])
     assert images() == before + 2
+
+
+def test_no_serving_loop_failed_over_the_module(served):
+    """Last: the loops that served images all ended well, their idle exits included (a failed loop
+    is hidden from its requests, which resume in the next: only this counter shows it)."""
+    deadline = time.monotonic() + 10
+    while served.leader.serving_stats(MODEL)["loop_running"]:  # the last loop's idle exit, to count it
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    samples = metric_samples(httpx.get(f"{served.url}/metrics").text)
+    failures = {name: value for name, value in samples.items() if name.startswith("celerytp_serving_loop_failures_total")}
+    assert failures and not any(failures.values()), failures

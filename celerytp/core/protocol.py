@@ -259,6 +259,7 @@ class ServeResult(Reply):
     reused_tokens: int = 0
     shared_prompt_tokens: int = 0
     new_decode_shapes: int = 0  # bucketed decode shapes first met in this loop (on CUDA: graphs recorded)
+    images: int = 0  # images in the requests the loop took (vision-language models)
     host_waits: dict[str, int] = Field(default_factory=dict)  # with CELERYTP_SYNC_CHECK=1 (worker/host_syncs.py)
     total_s: float = 0.0
 
