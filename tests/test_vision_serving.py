@@ -89,6 +89,22 @@ def test_a_follow_up_turn_about_the_same_image_reuses_its_cache(served):
     assert 0 < changed.reused_tokens <= header  # not the other image's places
 
 
+def test_the_celery_task_takes_image_parts(served, llava):
+    """The `celerytp.generate` task, sent by a plain Celery producer, with the HTTP API's messages."""
+    from celery import Celery
+
+    messages = [user_turn("What is in it?", picture(12))]
+    tokens, _, _ = reference(llava, messages, STEPS)
+    producer = Celery("plain-producer", broker=served.broker_url, backend=served.broker_url)
+    try:
+        done = producer.send_task("celerytp.generate", queue=f"celerytp.{served.group}.requests", kwargs={
+            "model": MODEL, "messages": messages, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True,
+        }).get(timeout=120)  # fmt: skip
+    finally:
+        producer.close()
+    assert done["token_ids"] == tokens
+
+
 def test_responses_take_an_input_image(client):
     image = data_url(picture(7))
     via_chat = chat(client, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
