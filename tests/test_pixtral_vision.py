@@ -4,19 +4,29 @@ Mistral3ForConditionalGeneration, and the prompt side's PixtralGrid against Pixt
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from model_fixtures import randomize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from vision_tower_fixtures import (
+    ATOL,
+    CPU,
+    META,
+    TINY_TEXT,
+    assert_replicated_and_frozen,
+    assert_table_is_saved,
+    load_checkpoint_tower,
+    random_images,
+    refused,
+    save_random,
+    save_renamed,
+)
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
+from celerytp.core.errors import ErrorKind
 from celerytp.core.vision_inputs import PixtralGrid
-from celerytp.loading import open_checkpoint
 from celerytp.models.pixtral_vision import (
     PIXTRAL_VISION_PREFIXES,
     PixtralVisionTower,
@@ -25,7 +35,6 @@ from celerytp.models.pixtral_vision import (
 
 transformers = pytest.importorskip("transformers")
 
-ATOL = 1e-5
 PATCH, MERGE, TEXT_HIDDEN = 4, 2, 64
 VISION = {
     "model_type": "pixtral",
@@ -40,17 +49,12 @@ VISION = {
     "rope_parameters": {"rope_type": "axial", "rope_theta": 1000.0},
 }
 TEXT = {
+    **TINY_TEXT,
     "model_type": "mistral",
     "hidden_size": TEXT_HIDDEN,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "head_dim": 16,
-    "vocab_size": 128,
     "rms_norm_eps": 0.1,  # the projector norm's eps: large enough that another eps fails the test
 }
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +64,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     config = transformers.Mistral3Config(
         vision_config=VISION, text_config=TEXT, spatial_merge_size=MERGE, multimodal_projector_bias=True
     )
-    torch.manual_seed(0)
-    model = randomize(transformers.Mistral3ForConditionalGeneration(config)).eval()
-    model.save_pretrained(path)
-    return path, model
+    return path, save_random(transformers.Mistral3ForConditionalGeneration, config, path)
 
 
 def load_tower(
     path: Path, overrides: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32
 ) -> PixtralVisionTower:
-    with open_checkpoint(path) as checkpoint:
-        hf_config = {**checkpoint.hf_config, **(overrides or {})}
-        tower = PixtralVisionTower(hf_config, hf_config["text_config"]["hidden_size"], dtype=dtype, device=CPU)
-        names = checkpoint.names()
-        table = tower.checkpoint_table(pixtral_vision_layout(names))
-        assert set(table) == {n for n in names if n.startswith(PIXTRAL_VISION_PREFIXES)}
-        for name, param in table.items():
-            param.weight_loader(param, checkpoint.source(name), None)
-    return tower
+    def build(config: dict[str, Any]) -> PixtralVisionTower:
+        hf_config = {**config, **(overrides or {})}
+        return PixtralVisionTower(hf_config, hf_config["text_config"]["hidden_size"], dtype=dtype, device=CPU)
+
+    return load_checkpoint_tower(
+        path,
+        build,
+        lambda tower, names: tower.checkpoint_table(pixtral_vision_layout(names)),
+        PIXTRAL_VISION_PREFIXES,
+    )
 
 
 def expected_features(model: Any, pixel_values: torch.Tensor, image_sizes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -127,16 +129,10 @@ def test_vision_feature_layer(saved: tuple[Path, Any], layer: int | list[int], r
 def test_image_processor_output(saved: tuple[Path, Any]) -> None:
     """Two PIL images of different shapes through PixtralImageProcessorPil (what AutoImageProcessor
     gives without torchvision), aligned to patch * merge as PixtralProcessor asks it to."""
-    from PIL import Image
-
     path, model = saved
     size, align = {"longest_edge": 48}, {"height": PATCH * MERGE, "width": PATCH * MERGE}
     processor = transformers.PixtralImageProcessorPil(size=size, patch_size=align)
-    rng = torch.Generator().manual_seed(2)
-    shapes = ((40, 56), (70, 30))  # (height, width)
-    images = [
-        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy()) for h, w in shapes
-    ]
+    images = random_images([(40, 56), (70, 30)])
     batch = processor(images=images, return_tensors="pt")
     pixel_values, image_sizes = batch["pixel_values"], batch["image_sizes"]
     cell = PATCH * MERGE
@@ -173,25 +169,18 @@ def test_resized_size_matches_transformers() -> None:
 def test_table_is_exactly_the_saved_tensors(saved: tuple[Path, Any]) -> None:
     path, _ = saved
     tensors = load_file(path / "model.safetensors")
-    vision = {n for n in tensors if n.startswith(("vision_tower.", "multi_modal_projector."))}
     assert pixtral_vision_layout(tensors) == ""
     assert not any(n.startswith("model.") for n in tensors)
     assert any(n.startswith("language_model.model.layers.") for n in tensors)  # 5.25's saved text layout
-    tower = load_tower(path)
-    table = tower.checkpoint_table()
-    assert set(table) == vision
-    assert "multi_modal_projector.linear_1.bias" in table and "vision_tower.patch_conv.weight" in table
-    for name, param in table.items():
-        torch.testing.assert_close(param, tensors[name], rtol=0, atol=0)
+    vision = {n for n in tensors if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert "multi_modal_projector.linear_1.bias" in vision and "vision_tower.patch_conv.weight" in vision
+    assert_table_is_saved(load_tower(path).checkpoint_table(), tensors, vision)
 
 
 def test_module_name_layout(saved: tuple[Path, Any], tmp_path: Path) -> None:
     """`model.vision_tower.<...>` (transformers' module names) loads to the same tower."""
     path, _ = saved
-    shutil.copy(path / "config.json", tmp_path / "config.json")
-    tensors = load_file(path / "model.safetensors")
-    tensors = {("model." + n if n.startswith(PIXTRAL_VISION_PREFIXES) else n): t for n, t in tensors.items()}
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tensors = save_renamed(path, tmp_path, lambda n: "model." + n if n.startswith(PIXTRAL_VISION_PREFIXES) else n)
     assert pixtral_vision_layout(tensors) == "model."
     pixel_values, image_sizes = torch.randn(1, 3, 16, 24), torch.tensor([(16, 24)])
     torch.testing.assert_close(
@@ -202,8 +191,7 @@ def test_module_name_layout(saved: tuple[Path, Any], tmp_path: Path) -> None:
 def test_parameters_are_replicated_and_frozen(saved: tuple[Path, Any]) -> None:
     config = json.loads((saved[0] / "config.json").read_text())
     tower = PixtralVisionTower(config, TEXT_HIDDEN, dtype=torch.bfloat16, device=CPU)
-    for p in tower.checkpoint_table().values():
-        assert p.dtype == torch.bfloat16 and not p.requires_grad and p.tp_sharded is False
+    assert_replicated_and_frozen(tower.checkpoint_table(), torch.bfloat16)
     assert (tower.patch, tower.merge) == (PATCH, MERGE)
     out = tower(torch.zeros(1, 3, 16, 24), torch.tensor([(16, 24)]))
     assert out.dtype == torch.bfloat16 and out.shape == (2 * 3, TEXT_HIDDEN)
@@ -234,8 +222,7 @@ MISTRAL_SMALL_3_1 = {  # mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.
 
 
 def test_hub_config_and_defaults() -> None:
-    meta = torch.device("meta")
-    tower = PixtralVisionTower(MISTRAL_SMALL_3_1, 5120, dtype=torch.bfloat16, device=meta)
+    tower = PixtralVisionTower(MISTRAL_SMALL_3_1, 5120, dtype=torch.bfloat16, device=META)
     c = tower.config
     assert (c.head_dim, c.rope_theta, c.norm_eps, c.layers_used, tower.patch, tower.merge) == (64, 1e4, 1e-5, 24, 14, 2)
     table = tower.checkpoint_table(pixtral_vision_layout(["vision_tower.ln_pre.weight"]))
@@ -246,10 +233,10 @@ def test_hub_config_and_defaults() -> None:
     assert "multi_modal_projector.linear_1.bias" not in table
     assert tower.num_tokens(torch.tensor([(1176, 1540)])) == [42 * 55]
     # Mistral3Config() without sub-configs: its vision and text defaults (patch 14, text eps 1e-5)
-    bare = PixtralVisionTower({}, 5120, dtype=torch.float32, device=meta).config
+    bare = PixtralVisionTower({}, 5120, dtype=torch.float32, device=META).config
     assert (bare.patch_size, bare.hidden_act, bare.norm_eps, bare.rope_theta) == (14, "gelu", 1e-5, 1e4)
     # a vision_config without those keys takes PixtralVisionConfig's; a text_config MistralConfig's eps
-    partial = PixtralVisionTower({"vision_config": {}, "text_config": {}}, 64, dtype=torch.float32, device=meta).config
+    partial = PixtralVisionTower({"vision_config": {}, "text_config": {}}, 64, dtype=torch.float32, device=META).config
     assert (partial.patch_size, partial.norm_eps) == (16, 1e-6)
 
 
@@ -270,12 +257,8 @@ def test_hub_config_and_defaults() -> None:
     ],
 )
 def test_unsupported_config_is_refused(config: dict[str, Any], key: str) -> None:
-    with pytest.raises(CeleryTPError) as err:
-        PixtralVisionTower(
-            {"text_config": TEXT, **config}, TEXT_HIDDEN, dtype=torch.float32, device=torch.device("meta")
-        )
-    assert err.value.kind == ErrorKind.UNSUPPORTED_ARCH
-    assert key in str(err.value)
+    with refused(ErrorKind.UNSUPPORTED_ARCH, key):
+        PixtralVisionTower({"text_config": TEXT, **config}, TEXT_HIDDEN, dtype=torch.float32, device=META)
 
 
 @pytest.mark.parametrize(
@@ -292,6 +275,5 @@ def test_bad_inputs_are_refused(shape: tuple[int, ...], sizes: list[tuple[int, i
     tower = PixtralVisionTower(
         {"vision_config": VISION, "text_config": TEXT}, TEXT_HIDDEN, dtype=torch.float32, device=CPU
     )
-    with pytest.raises(CeleryTPError) as err:
+    with refused(ErrorKind.BAD_REQUEST):
         tower(torch.zeros(shape), torch.tensor(sizes))
-    assert err.value.kind == ErrorKind.BAD_REQUEST

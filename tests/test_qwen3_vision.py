@@ -3,49 +3,49 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from model_fixtures import randomize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from vision_tower_fixtures import (
+    ATOL,
+    CPU,
+    META,
+    QWEN_BAD_INPUTS,
+    QWEN_MERGE,
+    QWEN_OUT_HIDDEN,
+    QWEN_PATCH_DIM,
+    QWEN_PROCESSOR,
+    QWEN_UNSUPPORTED,
+    QWEN_VISION,
+    TINY_TEXT,
+    assert_replicated_and_frozen,
+    assert_table_is_saved,
+    load_checkpoint_tower,
+    qwen_patches,
+    random_images,
+    refused,
+    save_random,
+    save_renamed,
+)
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.loading import open_checkpoint
+from celerytp.core.errors import ErrorKind
 from celerytp.models.qwen3_vision import QWEN3_VISION_PREFIXES, Qwen3VisionTower, qwen3_vision_layout
 
 transformers = pytest.importorskip("transformers")
 
-ATOL = 1e-5
-PATCH, TEMPORAL, MERGE, OUT_HIDDEN = 4, 2, 2, 64
-PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
 DEEPSTACK = [0, 2]
 # num_position_embeddings 16: a 4x4 learned grid, resampled to every other grid.
-VISION = {
-    "depth": 3,
-    "hidden_size": 32,
-    "num_heads": 4,
-    "intermediate_size": 64,
-    "out_hidden_size": OUT_HIDDEN,
-    "patch_size": PATCH,
-    "temporal_patch_size": TEMPORAL,
-    "spatial_merge_size": MERGE,
-    "num_position_embeddings": 16,
-    "deepstack_visual_indexes": DEEPSTACK,
-}
+VISION = {**QWEN_VISION, "depth": 3, "num_position_embeddings": 16, "deepstack_visual_indexes": DEEPSTACK}
 TEXT = {
-    "hidden_size": OUT_HIDDEN,
-    "intermediate_size": 64,
+    **TINY_TEXT,
+    "hidden_size": QWEN_OUT_HIDDEN,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "head_dim": 16,
-    "vocab_size": 128,
     "rope_parameters": {"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 10000.0},
 }
-CPU = torch.device("cpu")
 Features = tuple[torch.Tensor, list[torch.Tensor]]  # (features, one per deepstack index)
 
 
@@ -54,21 +54,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A random tiny Qwen3VLForConditionalGeneration saved to a directory; (path, model)."""
     path = tmp_path_factory.mktemp("qwen3_vl")
     config = transformers.Qwen3VLConfig(vision_config=VISION, text_config=TEXT)
-    torch.manual_seed(0)
-    model = randomize(transformers.Qwen3VLForConditionalGeneration(config)).eval()
-    model.save_pretrained(path)
-    return path, model
+    return path, save_random(transformers.Qwen3VLForConditionalGeneration, config, path)
 
 
 def load_tower(path: Path, dtype: torch.dtype = torch.float32) -> Qwen3VisionTower:
-    with open_checkpoint(path) as checkpoint:
-        tower = Qwen3VisionTower(checkpoint.hf_config, dtype=dtype, device=CPU)
-        names = checkpoint.names()
-        table = tower.checkpoint_table(qwen3_vision_layout(names))
-        assert set(table) == {n for n in names if n.startswith(QWEN3_VISION_PREFIXES)}
-        for name, param in table.items():
-            param.weight_loader(param, checkpoint.source(name), None)
-    return tower
+    return load_checkpoint_tower(
+        path,
+        lambda config: Qwen3VisionTower(config, dtype=dtype, device=CPU),
+        lambda tower, names: tower.checkpoint_table(qwen3_vision_layout(names)),
+        QWEN3_VISION_PREFIXES,
+    )
 
 
 def expected_features(model: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Features:
@@ -102,38 +97,27 @@ GRIDS = {
 def test_matches_transformers(saved: tuple[Path, Any], case: str) -> None:
     path, model = saved
     tower = load_tower(path)
-    grid_thw = torch.tensor(GRIDS[case])
-    patches = int(grid_thw.prod(-1).sum())
-    pixel_values = torch.randn(patches, PATCH_DIM, generator=torch.Generator().manual_seed(1))
+    pixel_values, grid_thw = qwen_patches(GRIDS[case])
     expected = expected_features(model, pixel_values, grid_thw)
     features, deepstack = ours = tower(pixel_values, grid_thw)
     tokens = sum(tower.num_tokens(grid_thw))
-    assert features.shape == expected[0].shape == (tokens, OUT_HIDDEN)
+    assert features.shape == expected[0].shape == (tokens, QWEN_OUT_HIDDEN)
     assert tower.deepstack_layers == len(deepstack) == len(DEEPSTACK)
-    assert all(d.shape == (tokens, OUT_HIDDEN) for d in deepstack)
+    assert all(d.shape == (tokens, QWEN_OUT_HIDDEN) for d in deepstack)
     assert_matches(ours, expected)
 
 
 def test_image_processor_output(saved: tuple[Path, Any]) -> None:
     """Two PIL images of different shapes through Qwen2VLImageProcessorPil (what qwen3_vl uses
     without torchvision), as a request brings them."""
-    from PIL import Image
-
     path, model = saved
     processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
-        temporal_patch_size=TEMPORAL,
-        merge_size=MERGE,
+        **QWEN_PROCESSOR,
         size={"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
-    rng = torch.Generator().manual_seed(2)
-    images = [
-        Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
-        for h, w in ((40, 56), (70, 30))
-    ]
-    batch = processor(images=images, return_tensors="pt")
+    batch = processor(images=random_images([(40, 56), (70, 30)]), return_tensors="pt")
     pixel_values, grid_thw = batch["pixel_values"], batch["image_grid_thw"]
     assert grid_thw.tolist() == [[1, 10, 14], [1, 18, 8]]
     assert_matches(load_tower(path)(pixel_values, grid_thw), expected_features(model, pixel_values, grid_thw))
@@ -142,8 +126,7 @@ def test_image_processor_output(saved: tuple[Path, Any]) -> None:
 def test_each_part_is_checked(saved: tuple[Path, Any]) -> None:
     """The comparison sees the learned positions and each deepstack merger: perturb one, it fails."""
     path, model = saved
-    grid_thw = torch.tensor([(1, 8, 12)])
-    pixel_values = torch.randn(96, PATCH_DIM, generator=torch.Generator().manual_seed(3))
+    pixel_values, grid_thw = qwen_patches([(1, 8, 12)], seed=3)
     expected = expected_features(model, pixel_values, grid_thw)
     for name in ("pos_embed.weight", "deepstack_merger_list.1.norm.bias", "blocks.2.attn.qkv.bias"):
         tower = load_tower(path)
@@ -157,26 +140,19 @@ def test_each_part_is_checked(saved: tuple[Path, Any]) -> None:
 def test_table_is_exactly_the_saved_visual_tensors(saved: tuple[Path, Any]) -> None:
     path, _ = saved
     tensors = load_file(path / "model.safetensors")
-    visual = {n for n in tensors if n.startswith("model.visual.")}
     assert qwen3_vision_layout(tensors) == "model.visual."
     assert not any(n.startswith("visual.") for n in tensors)
-    tower = load_tower(path)
-    table = tower.checkpoint_table(qwen3_vision_layout(tensors))
-    assert set(table) == visual
-    for name, param in table.items():
-        torch.testing.assert_close(param, tensors[name], rtol=0, atol=0)
+    visual = {n for n in tensors if n.startswith("model.visual.")}
+    assert_table_is_saved(load_tower(path).checkpoint_table(qwen3_vision_layout(tensors)), tensors, visual)
 
 
 def test_bare_visual_layout(saved: tuple[Path, Any], tmp_path: Path) -> None:
     """`visual.<...>` (the tower stored bare) loads to the same tower."""
     path, _ = saved
-    shutil.copy(path / "config.json", tmp_path / "config.json")
-    tensors = load_file(path / "model.safetensors")
-    tensors = {n.removeprefix("model.") if n.startswith("model.visual.") else n: t for n, t in tensors.items()}
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tensors = save_renamed(path, tmp_path, lambda n: n.removeprefix("model.") if n.startswith("model.visual.") else n)
     assert qwen3_vision_layout(tensors) == "visual."
     grid_thw = torch.tensor([(1, 8, 12)])
-    pixel_values = torch.randn(96, PATCH_DIM)
+    pixel_values = torch.randn(96, QWEN_PATCH_DIM)
     ours, reference = load_tower(tmp_path)(pixel_values, grid_thw), load_tower(path)(pixel_values, grid_thw)
     torch.testing.assert_close(ours, reference, rtol=0, atol=0)
 
@@ -184,12 +160,11 @@ def test_bare_visual_layout(saved: tuple[Path, Any], tmp_path: Path) -> None:
 def test_parameters_are_replicated_and_frozen(saved: tuple[Path, Any]) -> None:
     config = json.loads((saved[0] / "config.json").read_text())
     tower = Qwen3VisionTower(config, dtype=torch.bfloat16, device=CPU)
-    for p in tower.checkpoint_table().values():
-        assert p.dtype == torch.bfloat16 and not p.requires_grad and p.tp_sharded is False
-    assert tower.merge == MERGE and tower.deepstack_layers == 2
-    features, deepstack = tower(torch.zeros(16, PATCH_DIM), torch.tensor([(1, 4, 4)]))
-    assert features.dtype == torch.bfloat16 and features.shape == (4, OUT_HIDDEN)
-    assert [d.shape for d in deepstack] == [(4, OUT_HIDDEN)] * 2
+    assert_replicated_and_frozen(tower.checkpoint_table(), torch.bfloat16)
+    assert tower.merge == QWEN_MERGE and tower.deepstack_layers == 2
+    features, deepstack = tower(torch.zeros(16, QWEN_PATCH_DIM), torch.tensor([(1, 4, 4)]))
+    assert features.dtype == torch.bfloat16 and features.shape == (4, QWEN_OUT_HIDDEN)
+    assert [d.shape for d in deepstack] == [(4, QWEN_OUT_HIDDEN)] * 2
 
 
 def test_hub_config_defaults() -> None:
@@ -213,7 +188,7 @@ def test_hub_config_defaults() -> None:
             "temporal_patch_size": 2,
         },
     }
-    tower = Qwen3VisionTower(config, dtype=torch.bfloat16, device=torch.device("meta"))
+    tower = Qwen3VisionTower(config, dtype=torch.bfloat16, device=META)
     c = tower.config
     assert (c.head_dim, c.patch_dim, c.grid_side, c.rope_theta) == (64, 1536, 48, 10000.0)
     table = tower.checkpoint_table(qwen3_vision_layout(["model.visual.blocks.0.norm1.weight"]))
@@ -223,39 +198,26 @@ def test_hub_config_defaults() -> None:
     assert table["model.visual.deepstack_merger_list.2.norm.weight"].shape == (4096,)
     assert table["model.visual.merger.linear_fc2.weight"].shape == (2560, 4096)
     assert "model.visual.blocks.23.mlp.linear_fc2.bias" in table
-    defaults = Qwen3VisionTower({}, dtype=torch.float32, device=torch.device("meta"))
+    defaults = Qwen3VisionTower({}, dtype=torch.float32, device=META)
     assert (defaults.config.hidden_size, defaults.deepstack_layers) == (1152, 3)
 
 
 @pytest.mark.parametrize(
     "vision, key",
     [
-        ({"hidden_size": 30, "num_heads": 4}, "hidden_size"),
-        ({"hidden_size": 24, "num_heads": 4}, "head_dim"),
-        ({"hidden_act": "swiglu"}, "hidden_act"),
+        *QWEN_UNSUPPORTED,
         ({"num_position_embeddings": 15}, "num_position_embeddings"),
         ({"deepstack_visual_indexes": [0, 3]}, "deepstack_visual_indexes"),
         ({"deepstack_visual_indexes": [1, 1]}, "deepstack_visual_indexes"),
-        ({"rope_parameters": {"rope_type": "default"}}, "rope_type"),
     ],
 )
 def test_unsupported_config_is_refused(vision: dict[str, Any], key: str) -> None:
-    with pytest.raises(CeleryTPError) as err:
-        Qwen3VisionTower({"vision_config": {**VISION, **vision}}, dtype=torch.float32, device=torch.device("meta"))
-    assert err.value.kind == ErrorKind.UNSUPPORTED_ARCH
-    assert key in str(err.value)
+    with refused(ErrorKind.UNSUPPORTED_ARCH, key):
+        Qwen3VisionTower({"vision_config": {**VISION, **vision}}, dtype=torch.float32, device=META)
 
 
-@pytest.mark.parametrize(
-    "rows, grid",
-    [
-        (96, [(1, 8, 13)]),  # w not a multiple of spatial_merge_size
-        (95, [(1, 8, 12)]),  # rows != t*h*w
-        (96, [(1, 8, 12, 1)]),
-    ],
-)
+@pytest.mark.parametrize("rows, grid", QWEN_BAD_INPUTS)
 def test_bad_inputs_are_refused(rows: int, grid: list[tuple[int, ...]]) -> None:
     tower = Qwen3VisionTower({"vision_config": VISION}, dtype=torch.float32, device=CPU)
-    with pytest.raises(CeleryTPError) as err:
-        tower(torch.zeros(rows, PATCH_DIM), torch.tensor(grid))
-    assert err.value.kind == ErrorKind.BAD_REQUEST
+    with refused(ErrorKind.BAD_REQUEST):
+        tower(torch.zeros(rows, QWEN_PATCH_DIM), torch.tensor(grid))

@@ -6,23 +6,31 @@ saved with save_pretrained and loaded through the checkpoint table, as the model
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from model_fixtures import randomize
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from vision_tower_fixtures import (
+    ATOL,
+    CPU,
+    META,
+    TINY_TEXT,
+    assert_replicated_and_frozen,
+    assert_table_is_saved,
+    load_checkpoint_tower,
+    refused,
+    save_random,
+    save_renamed,
+)
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.loading import open_checkpoint
+from celerytp.core.errors import ErrorKind
 from celerytp.models.vision import VISION_TENSOR_PREFIXES, VisionTower, checkpoint_layout
 
 transformers = pytest.importorskip("transformers")
 
 TEXT_HIDDEN = 48
-ATOL = 1e-5
 TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4}
 
 # name -> (vision config class, vision_feature_layer, vision_feature_select_strategy, extra LlavaConfig keys)
@@ -41,34 +49,22 @@ def save_llava(path: Path, case: str) -> Any:
     vision_cls, layer, strategy, extra = CASES[case]
     config = transformers.LlavaConfig(
         vision_config=getattr(transformers, vision_cls)(**TOWER, image_size=32, patch_size=8),
-        text_config=transformers.LlamaConfig(
-            hidden_size=TEXT_HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-        ),
+        text_config=transformers.LlamaConfig(**TINY_TEXT, hidden_size=TEXT_HIDDEN),
         vision_feature_layer=layer,
         vision_feature_select_strategy=strategy,
         image_token_index=127,
         **extra,
     )
-    torch.manual_seed(0)
-    model = randomize(transformers.LlavaForConditionalGeneration(config)).eval()
-    model.save_pretrained(path)
-    return model
+    return save_random(transformers.LlavaForConditionalGeneration, config, path)
 
 
 def load_tower(path: Path, text_hidden: int = TEXT_HIDDEN) -> VisionTower:
-    with open_checkpoint(path) as checkpoint:
-        tower = VisionTower(checkpoint.hf_config, text_hidden, dtype=torch.float32, device=torch.device("cpu"))
-        names = checkpoint.names()
-        table = tower.checkpoint_table(*checkpoint_layout(names))
-        assert set(table) == {n for n in names if n.startswith(VISION_TENSOR_PREFIXES)}
-        for name, param in table.items():
-            param.weight_loader(param, checkpoint.source(name), None)
-    return tower
+    return load_checkpoint_tower(
+        path,
+        lambda config: VisionTower(config, text_hidden, dtype=torch.float32, device=CPU),
+        lambda tower, names: tower.checkpoint_table(*checkpoint_layout(names)),
+        VISION_TENSOR_PREFIXES,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -95,25 +91,14 @@ def save_gemma3(path: Path, use_head: bool) -> Any:
             **{**TOWER, "num_hidden_layers": 2}, image_size=32, patch_size=8, vision_use_head=use_head
         ),
         text_config=transformers.Gemma3TextConfig(
-            hidden_size=GEMMA3_TEXT_HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=8,
-            vocab_size=128,
+            **TINY_TEXT, hidden_size=GEMMA3_TEXT_HIDDEN, head_dim=16, query_pre_attn_scalar=16, sliding_window=8
         ),
         mm_tokens_per_image=4,
         image_token_index=127,
         boi_token_index=125,
         eoi_token_index=126,
     )
-    torch.manual_seed(0)
-    model = randomize(transformers.Gemma3ForConditionalGeneration(config)).eval()
-    model.save_pretrained(path)
-    return model
+    return save_random(transformers.Gemma3ForConditionalGeneration, config, path)
 
 
 @pytest.mark.parametrize("use_head", [False, True])
@@ -129,10 +114,8 @@ def test_gemma3_matches_transformers(tmp_path: Path, use_head: bool) -> None:
     }
     assert any(n.startswith("vision_tower.head.") for n in saved) == use_head
     tower = load_tower(tmp_path, GEMMA3_TEXT_HIDDEN)
-    assert set(tower.checkpoint_table()) == tower_names
     assert checkpoint_layout(saved) == ("", False)
-    for name, param in tower.checkpoint_table().items():
-        torch.testing.assert_close(param, saved[name], rtol=0, atol=0)
+    assert_table_is_saved(tower.checkpoint_table(), saved, tower_names)
     pixel_values = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model.model.get_image_features(pixel_values=pixel_values).pooler_output
@@ -146,16 +129,18 @@ def test_transformers4_and_module_name_layouts(tmp_path: Path) -> None:
     transformers 4 (and the llava-hf hub files) name it; same features as the saved layout."""
     save_llava(tmp_path / "saved", "clip_penultimate")
     renamed = tmp_path / "renamed"
-    renamed.mkdir()
-    shutil.copy(tmp_path / "saved" / "config.json", renamed / "config.json")
-    tensors = load_file(tmp_path / "saved" / "model.safetensors")
     rename = {
         "vision_tower.": "model.vision_tower.vision_model.",
         "multi_modal_projector.": "model.multi_modal_projector.",
     }
-    for old, new in rename.items():
-        tensors = {(new + n[len(old) :] if n.startswith(old) else n): t for n, t in tensors.items()}
-    save_file(tensors, renamed / "model.safetensors", metadata={"format": "pt"})
+
+    def new_name(name: str) -> str:
+        for old, new in rename.items():
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    tensors = save_renamed(tmp_path / "saved", renamed, new_name)
     assert checkpoint_layout(tensors) == ("model.", True)
     pixel_values = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(load_tower(renamed)(pixel_values), load_tower(tmp_path / "saved")(pixel_values))
@@ -164,9 +149,8 @@ def test_transformers4_and_module_name_layouts(tmp_path: Path) -> None:
 def test_parameters_are_replicated_and_frozen(tmp_path: Path) -> None:
     save_llava(tmp_path, "siglip_last_full")
     config = json.loads((tmp_path / "config.json").read_text())
-    tower = VisionTower(config, TEXT_HIDDEN, dtype=torch.bfloat16, device=torch.device("cpu"))
-    for p in tower.checkpoint_table().values():
-        assert p.dtype == torch.bfloat16 and not p.requires_grad and p.tp_sharded is False
+    tower = VisionTower(config, TEXT_HIDDEN, dtype=torch.bfloat16, device=CPU)
+    assert_replicated_and_frozen(tower.checkpoint_table(), torch.bfloat16)
     assert tower(torch.zeros(1, 3, 32, 32)).dtype == torch.bfloat16
 
 
@@ -175,11 +159,10 @@ def test_wrong_image_size_is_refused() -> None:
         {"vision_config": {"model_type": "clip_vision_model", **TOWER, "image_size": 32, "patch_size": 8}},
         TEXT_HIDDEN,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=CPU,
     )
-    with pytest.raises(CeleryTPError) as err:
+    with refused(ErrorKind.BAD_REQUEST):
         tower(torch.zeros(1, 3, 48, 48))
-    assert err.value.kind == ErrorKind.BAD_REQUEST
 
 
 @pytest.mark.parametrize(
@@ -198,10 +181,8 @@ def test_wrong_image_size_is_refused() -> None:
     ],
 )
 def test_unsupported_config_is_refused(config: dict[str, Any], key: str) -> None:
-    with pytest.raises(CeleryTPError) as err:
-        VisionTower({"model_type": "llava", **config}, TEXT_HIDDEN, dtype=torch.float32, device=torch.device("meta"))
-    assert err.value.kind == ErrorKind.UNSUPPORTED_ARCH
-    assert key in str(err.value)
+    with refused(ErrorKind.UNSUPPORTED_ARCH, key):
+        VisionTower({"model_type": "llava", **config}, TEXT_HIDDEN, dtype=torch.float32, device=META)
 
 
 def test_gemma3_hub_config_and_layout() -> None:
@@ -221,7 +202,7 @@ def test_gemma3_hub_config_and_layout() -> None:
             "vision_use_head": False,
         },
     }
-    tower = VisionTower(config, 2560, dtype=torch.bfloat16, device=torch.device("meta"))
+    tower = VisionTower(config, 2560, dtype=torch.bfloat16, device=META)
     assert tower.tokens_per_image == 256 and tower.multi_modal_projector.kernel == 4
     names = ["language_model.model.embed_tokens.weight", "vision_tower.vision_model.post_layernorm.weight"]
     table = tower.checkpoint_table(*checkpoint_layout(names))

@@ -109,43 +109,40 @@ def write_tiny_gemma3(path: Path, seed: int = 6) -> Path:
     return path
 
 
-def write_tiny_qwen2_5_vl(path: Path, seed: int = 7) -> Path:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+def _write_tiny_qwen(path: Path, seed: int, family: str, text: dict[str, Any], vision: dict[str, Any]) -> Path:
+    """A tiny random qwen2_5_vl or qwen3_vl model at `path`: `text` and `vision` on top of the
+    keys both families share, SmolLM2's tokenizer with the Qwen vision tokens, its image processor."""
+    import transformers
 
+    config_cls, model_cls = {
+        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
+    }[family]
     start, end, image, video = _tokenizer(path, QWEN_TOKENS, chat_template(QWEN_MARK))
-    config = Qwen2_5_VLConfig(
+    config = config_cls(
         text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=video + 1, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-        vision_config=dict(depth=4, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
+                         bos_token_id=1, eos_token_id=2, **text),
+        vision_config=dict(hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
                            patch_size=QWEN_PROCESSOR["patch_size"], spatial_merge_size=2, temporal_patch_size=2,
-                           window_size=16, fullatt_block_indexes=[1, 3]),
+                           **vision),
         image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
     )  # fmt: skip
-    _randomized(Qwen2_5_VLForConditionalGeneration(config), seed).save_pretrained(path)
-    Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
+    _randomized(model_cls(config), seed).save_pretrained(path)
+    transformers.Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
     return path
+
+
+def write_tiny_qwen2_5_vl(path: Path, seed: int = 7) -> Path:
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(depth=4, window_size=16, fullatt_block_indexes=[1, 3])
+    return _write_tiny_qwen(path, seed, "qwen2_5_vl", dict(rope_parameters=rope), vision)
 
 
 def write_tiny_qwen3_vl(path: Path, seed: int = 9) -> Path:
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    start, end, image, video = _tokenizer(path, QWEN_TOKENS, chat_template(QWEN_MARK))
-    config = Qwen3VLConfig(
-        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=video + 1, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=3, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
-                           patch_size=QWEN_PROCESSOR["patch_size"], spatial_merge_size=2, temporal_patch_size=2,
-                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
-        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-    )  # fmt: skip
-    _randomized(Qwen3VLForConditionalGeneration(config), seed).save_pretrained(path)
-    Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(path)
-    return path
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0, "mrope_interleaved": True}
+    vision = dict(depth=3, num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+    return _write_tiny_qwen(path, seed, "qwen3_vl", dict(head_dim=16, rope_parameters=rope), vision)
 
 
 MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")

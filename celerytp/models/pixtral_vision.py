@@ -40,9 +40,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.layers.weights import empty_param, replicated_loader
-from celerytp.models.vision import ACTIVATIONS, Linear
+from celerytp.models.vision import (
+    ACTIVATIONS,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    activation,
+    bad_request,
+    block_diagonal_attention,
+    head_width,
+    replicated_param,
+    rope_theta,
+    rotate_half,
+    unsupported,
+)
 
 # Every prefix a checkpoint stores tower or projector tensors under: transformers' saved layout
 # (also the hub checkpoints'), then its module names.
@@ -87,16 +98,7 @@ MISTRAL3_DEFAULTS: dict[str, Any] = {
 # default without a text_config, else the text config class's default by model_type.
 MISTRAL3_TEXT_RMS_EPS = 1e-5
 TEXT_RMS_EPS_DEFAULTS = {"mistral": 1e-6, "ministral": 1e-6, "ministral3": 1e-5}
-DEFAULT_VISION_ROPE_THETA = 10000.0
 VISION_RMS_EPS = 1e-5  # transformers hard-codes it for ln_pre, attention_norm and ffn_norm
-
-
-def _unsupported(message: str) -> CeleryTPError:
-    return CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, message)
-
-
-def _bad_request(message: str) -> CeleryTPError:
-    return CeleryTPError(ErrorKind.BAD_REQUEST, message)
 
 
 def pixtral_vision_layout(names: Iterable[str]) -> str:
@@ -135,34 +137,30 @@ class PixtralVisionConfig:
 
     def __post_init__(self) -> None:
         heads = self.num_attention_heads
-        if self.hidden_size % heads:
-            raise _unsupported(
-                f"vision_config.hidden_size {self.hidden_size} is not divisible by num_attention_heads {heads}"
-            )
-        if self.head_dim is not None and self.head_dim != self.hidden_size // heads:
-            raise _unsupported(
+        width = head_width(self.hidden_size, heads, "num_attention_heads")
+        if self.head_dim is not None and self.head_dim != width:
+            raise unsupported(
                 f"vision_config.head_dim {self.head_dim} != hidden_size {self.hidden_size} // num_attention_heads "
                 f"{heads} (transformers' attention uses the latter, its rotary the former)"
             )
-        self.head_dim = self.hidden_size // heads
+        self.head_dim = width
         if self.head_dim % 4:
-            raise _unsupported(f"vision head_dim {self.head_dim} is not divisible by 4 (2-D rotary over h and w)")
-        for key, act in (("vision_config.hidden_act", self.hidden_act), ("projector_hidden_act", self.projector_act)):
-            if act not in ACTIVATIONS:
-                raise _unsupported(f"{key}={act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+            raise unsupported(f"vision head_dim {self.head_dim} is not divisible by 4 (2-D rotary over h and w)")
+        activation("vision_config.hidden_act", self.hidden_act)
+        activation("projector_hidden_act", self.projector_act)
         for key in ("patch_size", "spatial_merge_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _unsupported(f"{key}={value!r} is not supported (a positive int)")
+                raise unsupported(f"{key}={value!r} is not supported (a positive int)")
         n_states = self.num_hidden_layers + 1  # ln_pre's output, then each layer's
         if len(self.feature_layers) != 1:
-            raise _unsupported(
+            raise unsupported(
                 f"vision_feature_layer={list(self.feature_layers)} is not supported (one layer: transformers' "
                 "projector norm is vision hidden_size wide and fails on concatenated layers)"
             )
         layer = self.feature_layers[0]
         if not isinstance(layer, int) or not -n_states <= layer < n_states:
-            raise _unsupported(
+            raise unsupported(
                 f"vision_feature_layer={layer!r} selects no hidden state of a {self.num_hidden_layers}-layer "
                 f"tower (indices in [{-n_states}, {n_states - 1}])"
             )
@@ -174,11 +172,11 @@ class PixtralVisionConfig:
         vision = hf_config.get("vision_config")
         vision = MISTRAL3_VISION_CONFIG if vision is None else vision  # {}: PixtralVisionConfig's defaults
         if vision.get("model_type", "pixtral") != "pixtral":
-            raise _unsupported(f"vision_config.model_type={vision.get('model_type')!r} is not supported (pixtral)")
+            raise unsupported(f"vision_config.model_type={vision.get('model_type')!r} is not supported (pixtral)")
         v = {**PIXTRAL_VISION_DEFAULTS, **vision}
         rope = v.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") not in ("axial", "default"):  # transformers reads "default" as axial
-            raise _unsupported(
+            raise unsupported(
                 f"vision_config.rope_parameters.rope_type={rope.get('rope_type')!r} is not supported (axial)"
             )
         layers = top["vision_feature_layer"]
@@ -190,7 +188,7 @@ class PixtralVisionConfig:
             num_channels=v["num_channels"],
             patch_size=v["patch_size"],
             hidden_act=v["hidden_act"],
-            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", DEFAULT_VISION_ROPE_THETA))),
+            rope_theta=rope_theta(v),
             head_dim=v.get("head_dim"),
             spatial_merge_size=top["spatial_merge_size"],
             feature_layers=(layers,) if isinstance(layers, int) else tuple(layers),
@@ -208,36 +206,11 @@ def _text_rms_eps(text: dict[str, Any] | None) -> float:
         return float(text["rms_norm_eps"])
     model_type = text.get("model_type", "mistral")
     if model_type not in TEXT_RMS_EPS_DEFAULTS:
-        raise _unsupported(
+        raise unsupported(
             f"text_config.rms_norm_eps is missing and text model_type {model_type!r} has no known default "
             f"(known: {sorted(TEXT_RMS_EPS_DEFAULTS)})"
         )
     return TEXT_RMS_EPS_DEFAULTS[model_type]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    p = empty_param(*shape, dtype=dtype, device=device, sharded=False)
-    p.weight_loader = replicated_loader
-    return p
-
-
-class RMSNorm(nn.Module):
-    """PixtralRMSNorm / Mistral3RMSNorm: normalize in float32, back to x's dtype, then scale."""
-
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = _param(size, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class PixtralAttention(nn.Module):
@@ -251,28 +224,7 @@ class PixtralAttention(nn.Module):
         n = x.shape[0]
         q, k, v = (p(x).view(n, self.num_heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))  # (N, heads, hd)
         q, k = (t * cos + rotate_half(t) * sin for t in (q, k))
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, N, hd)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(qs, ks, vs)  # one image sees only itself
-                for qs, ks, vs in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))
-            ],
-            dim=1,
-        )
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
-
-
-class PixtralMLP(nn.Module):
-    def __init__(self, c: PixtralVisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[c.hidden_act]
-        kw = {"dtype": dtype, "device": device}
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, False, **kw)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, False, **kw)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, False, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(block_diagonal_attention(q, k, v, lengths))  # one image sees only itself
 
 
 class PixtralAttentionLayer(nn.Module):
@@ -282,7 +234,7 @@ class PixtralAttentionLayer(nn.Module):
         self.attention_norm = RMSNorm(c.hidden_size, VISION_RMS_EPS, **kw)
         self.attention = PixtralAttention(c, **kw)
         self.ffn_norm = RMSNorm(c.hidden_size, VISION_RMS_EPS, **kw)
-        self.feed_forward = PixtralMLP(c, **kw)
+        self.feed_forward = GatedMLP(c, False, **kw)  # PixtralMLP: no biases
 
     def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), lengths, cos, sin)
@@ -297,7 +249,7 @@ class PixtralVisionModel(nn.Module):
         self.config = c
         kw = {"dtype": dtype, "device": device}
         self.patch_conv = nn.Module()
-        self.patch_conv.weight = _param(c.hidden_size, c.num_channels, c.patch_size, c.patch_size, **kw)
+        self.patch_conv.weight = replicated_param(c.hidden_size, c.num_channels, c.patch_size, c.patch_size, **kw)
         self.ln_pre = RMSNorm(c.hidden_size, VISION_RMS_EPS, **kw)
         self.transformer = nn.Module()
         self.transformer.layers = nn.ModuleList(PixtralAttentionLayer(c, **kw) for _ in range(c.num_hidden_layers))
@@ -385,14 +337,14 @@ class PixtralVisionTower(nn.Module):
     def _check(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor) -> list[tuple[int, int]]:
         c = self.config
         if pixel_values.dim() != 4 or pixel_values.shape[1] != c.num_channels or pixel_values.shape[0] == 0:
-            raise _bad_request(f"pixel_values shape {tuple(pixel_values.shape)}, expected (N, {c.num_channels}, H, W)")
+            raise bad_request(f"pixel_values shape {tuple(pixel_values.shape)}, expected (N, {c.num_channels}, H, W)")
         n, _, height, width = pixel_values.shape
         if image_sizes.dim() != 2 or tuple(image_sizes.shape) != (n, 2):
-            raise _bad_request(f"image_sizes shape {tuple(image_sizes.shape)}, expected ({n}, 2) for {n} images")
+            raise bad_request(f"image_sizes shape {tuple(image_sizes.shape)}, expected ({n}, 2) for {n} images")
         grids = []
         for h, w in ((int(h), int(w)) for h, w in image_sizes.tolist()):
             if not (0 < h <= height and 0 < w <= width) or h // self.patch < self.merge or w // self.patch < self.merge:
-                raise _bad_request(
+                raise bad_request(
                     f"image size (height, width) {(h, w)} must fit pixel_values' {(height, width)} and span at "
                     f"least spatial_merge_size {self.merge} patches of {self.patch} pixels each way"
                 )

@@ -26,21 +26,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.layers.weights import empty_param, replicated_loader
 from celerytp.models.qwen_vision import (
-    CONFIG_ALIASES,
-    DEFAULT_VISION_ROPE_THETA,
-    VisionAttention,
+    PatchEmbed,
+    QwenVisionBaseConfig,
+    QwenVisionTowerBase,
+    VisionBlock,
     vision_position_ids,
 )
-from celerytp.models.vision import ACTIVATIONS, LayerNorm, Linear
+from celerytp.models.vision import ACTIVATIONS, LayerNorm, Linear, replicated_param, unsupported
 
 # Every prefix a checkpoint stores vision tensors under: transformers 5.25's saved layout (its
 # module names, as the Qwen3-VL hub checkpoints also write), then the bare `visual.`.
@@ -64,14 +63,6 @@ QWEN3_VISION_DEFAULTS: dict[str, Any] = {
 LAYER_NORM_EPS = 1e-6  # transformers hard-codes it for every vision norm
 
 
-def _unsupported(message: str) -> CeleryTPError:
-    return CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, message)
-
-
-def _bad_request(message: str) -> CeleryTPError:
-    return CeleryTPError(ErrorKind.BAD_REQUEST, message)
-
-
 def qwen3_vision_layout(names: Iterable[str]) -> str:
     """The prefix for Qwen3VisionTower.checkpoint_table from a checkpoint's tensor names:
     "visual." where a checkpoint stores the tower bare, else "model.visual." (what save_pretrained
@@ -80,104 +71,32 @@ def qwen3_vision_layout(names: Iterable[str]) -> str:
 
 
 @dataclass
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(QwenVisionBaseConfig):
     """A qwen3_vl config.json's vision_config, Qwen3VLVisionConfig's defaults applied."""
 
-    depth: int
-    hidden_size: int
-    hidden_act: str
-    intermediate_size: int
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    spatial_merge_size: int
-    temporal_patch_size: int
-    out_hidden_size: int
+    DEFAULTS: ClassVar[dict[str, Any]] = QWEN3_VISION_DEFAULTS
+    POSITIVE_INTS: ClassVar[tuple[str, ...]] = (*QwenVisionBaseConfig.POSITIVE_INTS, "num_position_embeddings")
+
     num_position_embeddings: int
     deepstack_visual_indexes: tuple[int, ...]
-    rope_theta: float
     # derived
-    head_dim: int = field(init=False)
-    patch_dim: int = field(init=False)  # C*T*P*P values per patch row
     grid_side: int = field(init=False)  # the learned position grid's side
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise _unsupported(
-                f"vision_config.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
-        if self.head_dim % 4:
-            raise _unsupported(f"vision head_dim {self.head_dim} is not divisible by 4 (2-D rotary over h and w)")
-        if self.hidden_act not in ACTIVATIONS:
-            raise _unsupported(
-                f"vision_config.hidden_act={self.hidden_act!r} is not supported (supported: {sorted(ACTIVATIONS)})"
-            )
-        for key in ("patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise _unsupported(f"vision_config.{key}={getattr(self, key)!r} is not supported (a positive int)")
+        super().__post_init__()
+        self.deepstack_visual_indexes = tuple(self.deepstack_visual_indexes)
         self.grid_side = math.isqrt(self.num_position_embeddings)
         if self.grid_side**2 != self.num_position_embeddings:
-            raise _unsupported(
+            raise unsupported(
                 f"vision_config.num_position_embeddings {self.num_position_embeddings} is not a square "
                 f"({self.grid_side}**2 = {self.grid_side**2})"
             )
         bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
         if bad or len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
-            raise _unsupported(
+            raise unsupported(
                 f"vision_config.deepstack_visual_indexes {list(self.deepstack_visual_indexes)}: "
                 f"each must be a distinct block in [0, depth {self.depth})"
             )
-        self.patch_dim = self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @classmethod
-    def from_hf(cls, hf_config: dict[str, Any]) -> Qwen3VisionConfig:
-        vision = dict(hf_config.get("vision_config") or {})
-        for alias, key in CONFIG_ALIASES.items():
-            if alias in vision and key not in vision:
-                vision[key] = vision[alias]
-        v = {**QWEN3_VISION_DEFAULTS, **vision}
-        rope = v.get("rope_parameters") or {}
-        if rope.get("rope_type", rope.get("type", "axial")) != "axial":
-            raise _unsupported(
-                f"vision_config.rope_parameters.rope_type={rope.get('rope_type')!r} is not supported (axial)"
-            )
-        return cls(
-            depth=v["depth"],
-            hidden_size=v["hidden_size"],
-            hidden_act=v["hidden_act"],
-            intermediate_size=v["intermediate_size"],
-            num_heads=v["num_heads"],
-            in_channels=v["in_channels"],
-            patch_size=v["patch_size"],
-            spatial_merge_size=v["spatial_merge_size"],
-            temporal_patch_size=v["temporal_patch_size"],
-            out_hidden_size=v["out_hidden_size"],
-            num_position_embeddings=v["num_position_embeddings"],
-            deepstack_visual_indexes=tuple(v["deepstack_visual_indexes"]),
-            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", DEFAULT_VISION_ROPE_THETA))),
-        )
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    p = empty_param(*shape, dtype=dtype, device=device, sharded=False)
-    p.weight_loader = replicated_loader
-    return p
-
-
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel = stride = (T, P, P) and a bias, over one patch per row: a matmul."""
-
-    def __init__(self, c: Qwen3VisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        p, t = c.patch_size, c.temporal_patch_size
-        self.proj = nn.Module()
-        self.proj.weight = _param(c.hidden_size, c.in_channels, t, p, p, dtype=dtype, device=device)
-        self.proj.bias = _param(c.hidden_size, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(x, w.reshape(w.shape[0], -1), self.proj.bias)  # (patches, C*T*P*P) -> (patches, H)
 
 
 class VisionMLP(nn.Module):
@@ -190,20 +109,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, c: Qwen3VisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        kw = {"dtype": dtype, "device": device}
-        self.norm1 = LayerNorm(c.hidden_size, LAYER_NORM_EPS, **kw)
-        self.norm2 = LayerNorm(c.hidden_size, LAYER_NORM_EPS, **kw)
-        self.attn = VisionAttention(c, **kw)  # Qwen2.5-VL's: reads only hidden_size and num_heads
-        self.mlp = VisionMLP(c, **kw)
-
-    def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), lengths, cos, sin)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -229,7 +134,7 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # (patches / merge**2, out)
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(QwenVisionTowerBase):
     """Qwen3-VL's vision encoder, merger and deepstack mergers, replicated on every rank.
 
     Args:
@@ -237,44 +142,20 @@ class Qwen3VisionTower(nn.Module):
             defaults fill what it leaves out).
     """
 
+    config: Qwen3VisionConfig
+
     def __init__(self, hf_config: dict, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.config = c = Qwen3VisionConfig.from_hf(hf_config)
-        self.dtype = dtype
-        self.merge = c.spatial_merge_size
+        super().__init__(Qwen3VisionConfig.from_hf(hf_config), dtype=dtype, device=device)
+        c, kw = self.config, {"dtype": dtype, "device": device}
         self.deepstack_layers = len(c.deepstack_visual_indexes)
-        kw = {"dtype": dtype, "device": device}
-        self.patch_embed = PatchEmbed(c, **kw)
+        self.patch_embed = PatchEmbed(c, True, **kw)
         self.pos_embed = nn.Module()  # nn.Embedding's parameter name
-        self.pos_embed.weight = _param(c.num_position_embeddings, c.hidden_size, **kw)
-        self.blocks = nn.ModuleList(VisionBlock(c, **kw) for _ in range(c.depth))
+        self.pos_embed.weight = replicated_param(c.num_position_embeddings, c.hidden_size, **kw)
+        self.blocks = nn.ModuleList(
+            VisionBlock(c, LayerNorm, LAYER_NORM_EPS, VisionMLP(c, **kw), **kw) for _ in range(c.depth)
+        )
         self.merger = PatchMerger(c, False, **kw)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(c, True, **kw) for _ in range(self.deepstack_layers))
-        spatial = c.head_dim // 2
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # (head_dim // 4,)
-
-    def num_tokens(self, grid_thw: torch.Tensor) -> list[int]:
-        """Tokens each image gives the language model: t * h * w / merge**2."""
-        return [t * h * w // self.merge**2 for t, h, w in grid_thw.tolist()]
-
-    def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
-        c = self.config
-        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
-            raise _bad_request(f"image_grid_thw shape {tuple(grid_thw.shape)}, expected (images, 3)")
-        grid = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
-        for t, h, w in grid:
-            if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-                raise _bad_request(
-                    f"image_grid_thw {[t, h, w]}: h and w must be positive multiples of spatial_merge_size {self.merge}"
-                )
-        patches = sum(t * h * w for t, h, w in grid)
-        if tuple(pixel_values.shape) != (patches, c.patch_dim):
-            raise _bad_request(
-                f"pixel_values shape {tuple(pixel_values.shape)}, image_grid_thw {[list(g) for g in grid]} "
-                f"expects ({patches}, {c.patch_dim})"
-            )
-        return grid
 
     def _positions(self, grid: list[tuple[int, int, int]]) -> torch.Tensor:
         """(patches, H): the learned grid resampled to each image's patch grid, block-major."""
@@ -286,11 +167,6 @@ class Qwen3VisionTower(nn.Module):
             pe = pe.permute(1, 2, 0).reshape(h // m, m, w // m, m, hidden).transpose(1, 2).reshape(h * w, hidden)
             out.append(pe.repeat(t, 1))
         return torch.cat(out).to(self.dtype)
-
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # (N, 2, head_dim // 4)
-        angles = freqs.flatten(1).repeat(1, 2)  # (N, head_dim): [rows, columns, rows, columns]
-        return angles.cos()[:, None], angles.sin()[:, None]  # (N, 1, head_dim), float32
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -25,16 +25,27 @@ What transformers does, and we match:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.layers.weights import empty_param, replicated_loader
-from celerytp.models.vision import ACTIVATIONS, Linear
+from celerytp.models.vision import (
+    GatedMLP,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    activation,
+    bad_request,
+    block_diagonal_attention,
+    head_width,
+    replicated_param,
+    rope_theta,
+    rotate_half,
+    unsupported,
+)
 
 # Every prefix a checkpoint stores vision tensors under: transformers' saved layout (also the hub
 # checkpoints'), then its module names.
@@ -57,16 +68,7 @@ QWEN_VISION_DEFAULTS: dict[str, Any] = {
 }
 # Other spellings config.json may use: transformers' attribute_map, and the hub files' `in_chans`.
 CONFIG_ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth", "in_chans": "in_channels"}
-DEFAULT_VISION_ROPE_THETA = 10000.0
 RMS_EPS = 1e-6  # transformers hard-codes it for every vision norm
-
-
-def _unsupported(message: str) -> CeleryTPError:
-    return CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, message)
-
-
-def _bad_request(message: str) -> CeleryTPError:
-    return CeleryTPError(ErrorKind.BAD_REQUEST, message)
 
 
 def qwen_vision_layout(names: Iterable[str]) -> str:
@@ -77,8 +79,12 @@ def qwen_vision_layout(names: Iterable[str]) -> str:
 
 
 @dataclass
-class QwenVisionConfig:
-    """A qwen2_5_vl config.json's vision_config, Qwen2_5_VLVisionConfig's defaults applied."""
+class QwenVisionBaseConfig:
+    """The vision_config keys the Qwen2.5-VL and Qwen3-VL towers both read, checked; a subclass
+    adds its own keys, DEFAULTS and checks."""
+
+    DEFAULTS: ClassVar[dict[str, Any]]
+    POSITIVE_INTS: ClassVar[tuple[str, ...]] = ("patch_size", "temporal_patch_size", "spatial_merge_size")
 
     depth: int
     hidden_size: int
@@ -89,65 +95,58 @@ class QwenVisionConfig:
     patch_size: int
     spatial_merge_size: int
     temporal_patch_size: int
-    window_size: int
     out_hidden_size: int
-    fullatt_block_indexes: tuple[int, ...]
     rope_theta: float
     # derived
     head_dim: int = field(init=False)
-    window_units: int = field(init=False)  # merge units on a window's side
     patch_dim: int = field(init=False)  # C*T*P*P values per patch row
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise _unsupported(
-                f"vision_config.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
-        self.head_dim = self.hidden_size // self.num_heads
+        self.head_dim = head_width(self.hidden_size, self.num_heads, "num_heads")
         if self.head_dim % 4:
-            raise _unsupported(f"vision head_dim {self.head_dim} is not divisible by 4 (2-D rotary over h and w)")
-        if self.hidden_act not in ACTIVATIONS:
-            raise _unsupported(
-                f"vision_config.hidden_act={self.hidden_act!r} is not supported (supported: {sorted(ACTIVATIONS)})"
-            )
-        for key in ("patch_size", "temporal_patch_size", "spatial_merge_size"):
+            raise unsupported(f"vision head_dim {self.head_dim} is not divisible by 4 (2-D rotary over h and w)")
+        activation("vision_config.hidden_act", self.hidden_act)
+        for key in self.POSITIVE_INTS:
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise _unsupported(f"vision_config.{key}={getattr(self, key)!r} is not supported (a positive int)")
-        self.window_units = self.window_size // self.spatial_merge_size // self.patch_size
-        if self.window_units < 1:
-            raise _unsupported(
-                f"vision_config.window_size {self.window_size} is smaller than spatial_merge_size "
-                f"{self.spatial_merge_size} * patch_size {self.patch_size}"
-            )
+                raise unsupported(f"vision_config.{key}={getattr(self, key)!r} is not supported (a positive int)")
         self.patch_dim = self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
-    def from_hf(cls, hf_config: dict[str, Any]) -> QwenVisionConfig:
+    def from_hf(cls, hf_config: dict[str, Any]) -> Self:
         vision = dict(hf_config.get("vision_config") or {})
         for alias, key in CONFIG_ALIASES.items():
             if alias in vision and key not in vision:
                 vision[key] = vision[alias]
-        v = {**QWEN_VISION_DEFAULTS, **vision}
+        v = {**cls.DEFAULTS, **vision}
         rope = v.get("rope_parameters") or {}
         if rope.get("rope_type", rope.get("type", "axial")) != "axial":
-            raise _unsupported(
+            raise unsupported(
                 f"vision_config.rope_parameters.rope_type={rope.get('rope_type')!r} is not supported (axial)"
             )
-        return cls(
-            depth=v["depth"],
-            hidden_size=v["hidden_size"],
-            hidden_act=v["hidden_act"],
-            intermediate_size=v["intermediate_size"],
-            num_heads=v["num_heads"],
-            in_channels=v["in_channels"],
-            patch_size=v["patch_size"],
-            spatial_merge_size=v["spatial_merge_size"],
-            temporal_patch_size=v["temporal_patch_size"],
-            window_size=v["window_size"],
-            out_hidden_size=v["out_hidden_size"],
-            fullatt_block_indexes=tuple(v["fullatt_block_indexes"]),
-            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", DEFAULT_VISION_ROPE_THETA))),
-        )
+        v["rope_theta"] = rope_theta(v)
+        return cls(**{f.name: v[f.name] for f in fields(cls) if f.init})
+
+
+@dataclass
+class QwenVisionConfig(QwenVisionBaseConfig):
+    """A qwen2_5_vl config.json's vision_config, Qwen2_5_VLVisionConfig's defaults applied."""
+
+    DEFAULTS: ClassVar[dict[str, Any]] = QWEN_VISION_DEFAULTS
+
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    # derived
+    window_units: int = field(init=False)  # merge units on a window's side
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.fullatt_block_indexes = tuple(self.fullatt_block_indexes)
+        self.window_units = self.window_size // self.spatial_merge_size // self.patch_size
+        if self.window_units < 1:
+            raise unsupported(
+                f"vision_config.window_size {self.window_size} is smaller than spatial_merge_size "
+                f"{self.spatial_merge_size} * patch_size {self.patch_size}"
+            )
 
 
 def vision_position_ids(grid: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
@@ -179,46 +178,23 @@ def window_order(grid: list[tuple[int, int, int]], merge: int, window_units: int
     return torch.cat(order), lengths
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    p = empty_param(*shape, dtype=dtype, device=device, sharded=False)
-    p.weight_loader = replicated_loader
-    return p
-
-
-class RMSNorm(nn.Module):
-    """Qwen2_5_VLRMSNorm: normalize in float32, back to x's dtype, then scale."""
-
-    def __init__(self, size: int, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _param(size, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-        return self.weight * xf.to(x.dtype)
-
-
 class PatchEmbed(nn.Module):
-    """Conv3d with kernel = stride = (T, P, P) over one patch per row: a matmul."""
+    """Conv3d with kernel = stride = (T, P, P) over one patch per row: a matmul (Qwen3-VL's has a bias)."""
 
-    def __init__(self, c: QwenVisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, c: QwenVisionBaseConfig, bias: bool, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        p, t = c.patch_size, c.temporal_patch_size
+        p, t, kw = c.patch_size, c.temporal_patch_size, {"dtype": dtype, "device": device}
         self.proj = nn.Module()
-        self.proj.weight = _param(c.hidden_size, c.in_channels, t, p, p, dtype=dtype, device=device)
+        self.proj.weight = replicated_param(c.hidden_size, c.in_channels, t, p, p, **kw)
+        self.proj.bias = replicated_param(c.hidden_size, **kw) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(x, w.reshape(w.shape[0], -1))  # (patches, C*T*P*P) -> (patches, H)
+        return F.linear(x, w.reshape(w.shape[0], -1), self.proj.bias)  # (patches, C*T*P*P) -> (patches, H)
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, c: QwenVisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, c: QwenVisionBaseConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.num_heads = c.num_heads
         kw = {"dtype": dtype, "device": device}
@@ -229,38 +205,29 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each (N, heads, hd)
         q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, N, hd)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(qs, ks, vs)  # one window or frame sees only itself
-                for qs, ks, vs in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))
-            ],
-            dim=1,
-        )
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, c: QwenVisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[c.hidden_act]
-        kw = {"dtype": dtype, "device": device}
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, True, **kw)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, True, **kw)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, True, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.proj(block_diagonal_attention(q, k, v, lengths))  # a window or frame sees only itself
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, c: QwenVisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    """x + attn(norm1(x)), then + mlp(norm2(x)); the norm (Qwen2.5-VL: RMSNorm, Qwen3-VL:
+    LayerNorm) and the MLP are the family's."""
+
+    def __init__(
+        self,
+        c: QwenVisionBaseConfig,
+        norm: type[RMSNorm] | type[LayerNorm],
+        eps: float,
+        mlp: nn.Module,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
-        self.norm1 = RMSNorm(c.hidden_size, **kw)
-        self.norm2 = RMSNorm(c.hidden_size, **kw)
+        self.norm1 = norm(c.hidden_size, eps, **kw)
+        self.norm2 = norm(c.hidden_size, eps, **kw)
         self.attn = VisionAttention(c, **kw)
-        self.mlp = VisionMLP(c, **kw)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), lengths, cos, sin)
@@ -274,7 +241,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.width = c.hidden_size * c.spatial_merge_size**2
-        self.ln_q = RMSNorm(c.hidden_size, **kw)
+        self.ln_q = RMSNorm(c.hidden_size, RMS_EPS, **kw)
         self.mlp = nn.Sequential(
             Linear(self.width, self.width, True, **kw), nn.GELU(), Linear(self.width, c.out_hidden_size, True, **kw)
         )
@@ -283,25 +250,17 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))  # (patches, H) -> (patches / merge**2, out)
 
 
-class QwenVisionTower(nn.Module):
-    """Qwen2.5-VL's vision encoder and merger, replicated on every rank.
+class QwenVisionTowerBase(nn.Module):
+    """What the Qwen2.5-VL and Qwen3-VL towers share: their inputs (as Qwen2VLImageProcessor makes
+    them) and checks, tokens per image, and the 2-D rotary."""
 
-    Args:
-        hf_config: the checkpoint's whole config.json (its `vision_config`; Qwen2_5_VLVisionConfig's
-            defaults fill what it leaves out).
-    """
-
-    def __init__(self, hf_config: dict, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.config = c = QwenVisionConfig.from_hf(hf_config)
+        self.config = config
         self.dtype = dtype
-        self.merge = c.spatial_merge_size
-        kw = {"dtype": dtype, "device": device}
-        self.patch_embed = PatchEmbed(c, **kw)
-        self.blocks = nn.ModuleList(VisionBlock(c, **kw) for _ in range(c.depth))
-        self.merger = PatchMerger(c, **kw)
-        spatial = c.head_dim // 2
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)
+        self.merge = config.spatial_merge_size
+        spatial = config.head_dim // 2
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)  # (head_dim // 4,)
 
     def num_tokens(self, grid_thw: torch.Tensor) -> list[int]:
@@ -311,16 +270,16 @@ class QwenVisionTower(nn.Module):
     def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
         c = self.config
         if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
-            raise _bad_request(f"image_grid_thw shape {tuple(grid_thw.shape)}, expected (images, 3)")
+            raise bad_request(f"image_grid_thw shape {tuple(grid_thw.shape)}, expected (images, 3)")
         grid = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         for t, h, w in grid:
             if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
-                raise _bad_request(
+                raise bad_request(
                     f"image_grid_thw {[t, h, w]}: h and w must be positive multiples of spatial_merge_size {self.merge}"
                 )
         patches = sum(t * h * w for t, h, w in grid)
         if tuple(pixel_values.shape) != (patches, c.patch_dim):
-            raise _bad_request(
+            raise bad_request(
                 f"pixel_values shape {tuple(pixel_values.shape)}, image_grid_thw {[list(g) for g in grid]} "
                 f"expects ({patches}, {c.patch_dim})"
             )
@@ -330,6 +289,26 @@ class QwenVisionTower(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # (N, 2, head_dim // 4)
         angles = freqs.flatten(1).repeat(1, 2)  # (N, head_dim): [rows, columns, rows, columns]
         return angles.cos()[:, None], angles.sin()[:, None]  # (N, 1, head_dim), float32
+
+
+class QwenVisionTower(QwenVisionTowerBase):
+    """Qwen2.5-VL's vision encoder and merger, replicated on every rank.
+
+    Args:
+        hf_config: the checkpoint's whole config.json (its `vision_config`; Qwen2_5_VLVisionConfig's
+            defaults fill what it leaves out).
+    """
+
+    config: QwenVisionConfig
+
+    def __init__(self, hf_config: dict, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(QwenVisionConfig.from_hf(hf_config), dtype=dtype, device=device)
+        c, kw = self.config, {"dtype": dtype, "device": device}
+        self.patch_embed = PatchEmbed(c, False, **kw)
+        self.blocks = nn.ModuleList(
+            VisionBlock(c, RMSNorm, RMS_EPS, GatedMLP(c, True, **kw), **kw) for _ in range(c.depth)
+        )
+        self.merger = PatchMerger(c, **kw)
 
     @torch.no_grad()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

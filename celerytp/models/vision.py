@@ -23,6 +23,10 @@ average-pools the patch grid down to `mm_tokens_per_image` positions, RMS-normal
 float32 with a (1 + weight) scale (Gemma3RMSNorm, eps: the tower's layer_norm_eps) and multiplies
 by `mm_input_projection_weight` (vision hidden, text hidden). The pooling head is loaded where
 `vision_use_head` keeps it in the checkpoint (the gemma-3 hub configs set it false) and never used.
+
+The other towers (qwen_vision, qwen3_vision, pixtral_vision) build on this module's pieces:
+replicated parameters, Linear, LayerNorm, RMSNorm, the gated MLP, rotate_half and attention
+within each image (or window, or frame), and the config checks' errors.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ VISION_DEFAULTS: dict[str, dict[str, Any]] = {
         "vision_use_head": True,
     },
 }
+DEFAULT_VISION_ROPE_THETA = 10000.0  # the rotary towers' (Qwen2.5-VL, Qwen3-VL, Pixtral) default
 # LlavaConfig's vision_config when config.json has none: CLIP ViT-L/14 at 336 pixels.
 LLAVA_VISION_CONFIG = {
     "model_type": "clip_vision_model",
@@ -134,14 +139,32 @@ def checkpoint_layout(names: Iterable[str]) -> tuple[str, bool]:
     return prefix, nested
 
 
-def _unsupported(message: str) -> CeleryTPError:
+def unsupported(message: str) -> CeleryTPError:
     return CeleryTPError(ErrorKind.UNSUPPORTED_ARCH, message)
 
 
-def _activation(key: str, name: str) -> Any:
+def bad_request(message: str) -> CeleryTPError:
+    return CeleryTPError(ErrorKind.BAD_REQUEST, message)
+
+
+def activation(key: str, name: str) -> Any:
+    """ACTIVATIONS[name], refused (naming config key `key`) where it has none."""
     if name not in ACTIVATIONS:
-        raise _unsupported(f"{key}={name!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+        raise unsupported(f"{key}={name!r} is not supported (supported: {sorted(ACTIVATIONS)})")
     return ACTIVATIONS[name]
+
+
+def head_width(hidden_size: int, heads: int, heads_key: str) -> int:
+    """hidden_size // heads, refused (naming vision_config key `heads_key`) unless heads divides it."""
+    if hidden_size % heads:
+        raise unsupported(f"vision_config.hidden_size {hidden_size} is not divisible by {heads_key} {heads}")
+    return hidden_size // heads
+
+
+def rope_theta(vision: dict[str, Any]) -> float:
+    """A vision_config's rotary theta: rope_parameters' (transformers 5), else its own key (4)."""
+    rope = vision.get("rope_parameters") or {}
+    return float(rope.get("rope_theta", vision.get("rope_theta", DEFAULT_VISION_ROPE_THETA)))
 
 
 @dataclass
@@ -180,24 +203,19 @@ class VisionConfig:
     layers_used: int = field(init=False)  # encoder layers that run: up to the deepest feature layer
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise _unsupported(
-                f"vision_config.hidden_size {self.hidden_size} is not divisible by "
-                f"num_attention_heads {self.num_attention_heads}"
-            )
+        self.head_dim = head_width(self.hidden_size, self.num_attention_heads, "num_attention_heads")
         if self.select_strategy not in ("default", "full"):
-            raise _unsupported(
+            raise unsupported(
                 f"vision_feature_select_strategy={self.select_strategy!r} is not supported (default or full)"
             )
-        _activation("vision_config.hidden_act", self.hidden_act)
-        _activation("projector_hidden_act", self.projector_act)
-        self.head_dim = self.hidden_size // self.num_attention_heads
+        activation("vision_config.hidden_act", self.hidden_act)
+        activation("projector_hidden_act", self.projector_act)
         self.num_patches = (self.image_size // self.patch_size) ** 2
         self.has_cls = self.model_type == "clip_vision_model"
         n_states = self.num_hidden_layers + 1  # the embeddings' output, then each layer's
         bad = [i for i in self.feature_layers if not -n_states <= i < n_states]
         if bad or not self.feature_layers:
-            raise _unsupported(
+            raise unsupported(
                 f"vision_feature_layer={list(self.feature_layers)} selects no hidden state of a "
                 f"{self.num_hidden_layers}-layer tower (indices in [{-n_states}, {n_states - 1}])"
             )
@@ -205,7 +223,7 @@ class VisionConfig:
         if self.mm_tokens_per_image is not None:
             side, grid = math.isqrt(self.mm_tokens_per_image), self.image_size // self.patch_size
             if self.has_cls or side * side != self.mm_tokens_per_image or not 0 < side <= grid or grid % side:
-                raise _unsupported(
+                raise unsupported(
                     f"gemma3 with vision_config.model_type={self.model_type!r} and mm_tokens_per_image="
                     f"{self.mm_tokens_per_image} is not supported (a SigLIP tower whose {grid}x{grid} patch "
                     "grid average-pools evenly to a square of mm_tokens_per_image positions)"
@@ -218,7 +236,7 @@ class VisionConfig:
         vision = hf_config.get("vision_config") or (GEMMA3_VISION_CONFIG if gemma3 else LLAVA_VISION_CONFIG)
         model_type = vision.get("model_type", "siglip_vision_model" if gemma3 else "clip_vision_model")
         if model_type not in VISION_DEFAULTS:
-            raise _unsupported(
+            raise unsupported(
                 f"vision_config.model_type={model_type!r} is not supported (supported: {sorted(VISION_DEFAULTS)})"
             )
         v = {**VISION_DEFAULTS[model_type], **vision}
@@ -244,7 +262,8 @@ class VisionConfig:
         )
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+def replicated_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised parameter every rank holds whole, loaded by replicated_loader."""
     p = empty_param(*shape, dtype=dtype, device=device, sharded=False)
     p.weight_loader = replicated_loader
     return p
@@ -253,8 +272,8 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 class Linear(nn.Module):
     def __init__(self, n_in: int, n_out: int, bias: bool, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = _param(n_out, n_in, dtype=dtype, device=device)
-        self.bias = _param(n_out, dtype=dtype, device=device) if bias else None
+        self.weight = replicated_param(n_out, n_in, dtype=dtype, device=device)
+        self.bias = replicated_param(n_out, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -264,11 +283,61 @@ class LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(size, dtype=dtype, device=device)
-        self.bias = _param(size, dtype=dtype, device=device)
+        self.weight = replicated_param(size, dtype=dtype, device=device)
+        self.bias = replicated_param(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Qwen2_5_VLRMSNorm / PixtralRMSNorm / Mistral3RMSNorm: normalize in float32, back to x's
+    dtype, then scale."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_param(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): Qwen2.5-VL's vision MLP (biases) and Pixtral's (none)."""
+
+    def __init__(self, c: Any, bias: bool, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[c.hidden_act]
+        kw = {"dtype": dtype, "device": device}
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias, **kw)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias, **kw)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """(N, heads, hd) each -> (N, heads * hd): each run of `lengths` rows (an image, a window or a
+    frame) attends only within itself."""
+    n = q.shape[0]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, N, hd)
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(qs, ks, vs)
+            for qs, ks, vs in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1))
+        ],
+        dim=1,
+    )
+    return out.transpose(0, 1).reshape(n, -1)
 
 
 class VisionEmbeddings(nn.Module):
@@ -279,11 +348,11 @@ class VisionEmbeddings(nn.Module):
         self.patch_size = c.patch_size
         h, kw = c.hidden_size, {"dtype": dtype, "device": device}
         self.patch_embedding = nn.Module()
-        self.patch_embedding.weight = _param(h, c.num_channels, c.patch_size, c.patch_size, **kw)
-        self.patch_embedding.bias = None if c.has_cls else _param(h, **kw)
-        self.class_embedding = _param(h, **kw) if c.has_cls else None
+        self.patch_embedding.weight = replicated_param(h, c.num_channels, c.patch_size, c.patch_size, **kw)
+        self.patch_embedding.bias = None if c.has_cls else replicated_param(h, **kw)
+        self.class_embedding = replicated_param(h, **kw) if c.has_cls else None
         self.position_embedding = nn.Module()
-        self.position_embedding.weight = _param(c.num_patches + c.has_cls, h, **kw)
+        self.position_embedding.weight = replicated_param(c.num_patches + c.has_cls, h, **kw)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         conv = self.patch_embedding
@@ -343,10 +412,10 @@ class SiglipPoolingHead(nn.Module):
     def __init__(self, c: VisionConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, kw = c.hidden_size, {"dtype": dtype, "device": device}
-        self.probe = _param(1, 1, h, **kw)
+        self.probe = replicated_param(1, 1, h, **kw)
         self.attention = nn.Module()  # torch.nn.MultiheadAttention's parameter names
-        self.attention.in_proj_weight = _param(3 * h, h, **kw)
-        self.attention.in_proj_bias = _param(3 * h, **kw)
+        self.attention.in_proj_weight = replicated_param(3 * h, h, **kw)
+        self.attention.in_proj_bias = replicated_param(3 * h, **kw)
         self.attention.out_proj = Linear(h, h, True, **kw)
         self.layernorm = LayerNorm(h, c.layer_norm_eps, **kw)
         self.mlp = VisionMLP(c, **kw)
@@ -401,9 +470,9 @@ class Gemma3Projector(nn.Module):
         self.kernel = self.grid // math.isqrt(c.mm_tokens_per_image)
         self.eps = c.layer_norm_eps
         kw = {"dtype": dtype, "device": device}
-        self.mm_input_projection_weight = _param(c.hidden_size, c.text_hidden_size, **kw)
+        self.mm_input_projection_weight = replicated_param(c.hidden_size, c.text_hidden_size, **kw)
         self.mm_soft_emb_norm = nn.Module()
-        self.mm_soft_emb_norm.weight = _param(c.hidden_size, **kw)
+        self.mm_soft_emb_norm.weight = replicated_param(c.hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, _, h = x.shape
@@ -444,10 +513,9 @@ class VisionTower(nn.Module):
         (N, tokens_per_image, text_hidden_size) in self's dtype."""
         c = self.config
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, c.image_size, c.image_size):
-            raise CeleryTPError(
-                ErrorKind.BAD_REQUEST,
+            raise bad_request(
                 f"pixel_values shape {tuple(pixel_values.shape)}, the vision tower expects "
-                f"(N, {c.num_channels}, {c.image_size}, {c.image_size})",
+                f"(N, {c.num_channels}, {c.image_size}, {c.image_size})"
             )
         weight = self.vision_tower.embeddings.patch_embedding.weight
         states = self.vision_tower(pixel_values.to(device=weight.device, dtype=self.dtype))
