@@ -26,7 +26,7 @@ from vision_fixtures import (
 )
 
 from celerytp.client.generation import tokenized
-from celerytp.core.images import encode
+from celerytp.core.images import encode, image_size
 from celerytp.core.vision_inputs import mrope_positions, runs, whole_images
 from celerytp.distributed.tp import TPContext
 from celerytp.models import load_model
@@ -87,11 +87,13 @@ def test_logits_match_transformers_in_one_forward_and_in_pieces(vlm, piece):
     transformers_model = reference_model(vlm)
     for messages in TURNS.values():
         ids, images = ours(vlm, messages)
-        rows, grids = features(images)
+        rows, processed_grids = features(images)
         at = [i for i, t in enumerate(ids) if t == model.vision.image_token_id]
         logits, start = [], 0
         model.clear_cache(0)
         images_at = runs(at) if model.vision.bidirectional else []
+        grids = [(1, *model.vision.grid.patches(*image_size(image))) for image in images] if model.mrope else []
+        assert grids == (processed_grids or [])  # the serving loop's grids, from sizes alone, are the processor's
         rope = mrope_positions(ids, model.vision.image_token_id, grids, model.vision.grid.merge)[0] if model.mrope else None
         while start < len(ids):  # pieces of `piece` tokens, none splitting an image that sees itself whole
             end = whole_images(len(ids) if piece is None else min(start + piece, len(ids)), images_at, start)

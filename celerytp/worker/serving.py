@@ -607,20 +607,25 @@ class ServingLoop:
             self._prompt_pieces.append((seq, n, (extra.sum(1)[:, 0] - lse, values[:, :n] - lse[:, None], ids[:, :n])))
 
     def _images_in(self, seq: Sequence, end: int) -> tuple[list[int], torch.Tensor] | None:
-        """The image features of `seq`'s prefill piece feed[fed:end]: (their places in the piece, rows)."""
+        """The image features of `seq`'s prefill piece feed[fed:end]: (their places in the piece, rows).
+        The tower runs for the first piece that holds an image's place: not where a reused prefix
+        holds them all (a follow-up turn about the same image)."""
         if not seq.spec.images:
             return None
-        if seq.image_rows is None:
-            seq.image_rows, grids = self.image_features(decode_images(seq.spec.images))  # (image tokens, hidden)
-            token = self.model.vision.image_token_id
-            seq.image_at = [i for i, t in enumerate(seq.spec.prompt) if t == token]
+        vision = self.model.vision
+        if not seq.image_at:
+            seq.image_at = [i for i, t in enumerate(seq.spec.prompt) if t == vision.image_token_id]
             if self.model.mrope:  # the whole feed's: the prompt's, then its resumed tokens' after
+                sizes = [image_size(image) for image in decode_images(seq.spec.images)]
+                grids = [(1, *vision.grid.patches(*size)) for size in sizes]  # the processor's image_grid_thw
                 prompt = len(seq.spec.prompt)
-                seq.rope, seq.rope_delta = mrope_positions(seq.spec.prompt, token, grids, self.model.vision.grid.merge)
+                seq.rope, seq.rope_delta = mrope_positions(seq.spec.prompt, vision.image_token_id, grids, vision.grid.merge)
                 seq.rope = [[*s, *range(prompt + seq.rope_delta, len(seq.feed) + seq.rope_delta)] for s in seq.rope]
         picked = [(i - seq.fed, k) for k, i in enumerate(seq.image_at) if seq.fed <= i < end]
         if not picked:
             return None
+        if seq.image_rows is None:
+            seq.image_rows, _ = self.image_features(decode_images(seq.spec.images))  # (image tokens, hidden)
         return [at for at, _ in picked], seq.image_rows[[k for _, k in picked]]
 
     def _prefilled(self, seq: Sequence, end: int) -> None:
