@@ -94,7 +94,7 @@ def domain_list(text: str) -> frozenset[str]:
 
 KV_FRACTION_HELP = ("the share of each rank's free memory after the weights its KV cache may take (a CPU: of the "
                     "host's available RAM, shared by the ranks); default 0.8")
-MMPROJ_HELP = ("llama.cpp's mmproj .gguf of a gemma3 .gguf model: its vision tower, for chats with images "
+MMPROJ_HELP = ("llama.cpp's mmproj .gguf of a gemma3 or qwen2vl (Qwen2.5-VL) .gguf model: its vision tower, for chats with images "
                "(under the workers' model roots)")
 
 
@@ -119,7 +119,7 @@ def model_path(arg: str | None) -> str:
 
 
 def mmproj_path(arg: str | None) -> str | None:
-    """--mmproj: llama.cpp's mmproj file of a gemma3 .gguf (its vision tower), which must exist."""
+    """--mmproj: llama.cpp's mmproj file of a gemma3 or qwen2vl .gguf (its vision tower), which must exist."""
     from celerytp.server.config import existing_model
 
     return None if arg is None else existing_model(arg)

@@ -145,7 +145,7 @@ class Leader:
         mmproj: str | os.PathLike | None = None,
     ) -> list[p.Loaded]:
         """Load a model on every rank (or on none). `path` None: the default SmolLM2 GGUF.
-        `mmproj`: llama.cpp's mmproj file of a gemma3 .gguf at `path`, its vision tower (the
+        `mmproj`: llama.cpp's mmproj file of a gemma3 or qwen2vl .gguf at `path`, its vision tower (the
         ranks confine it to their model roots as they do `path`).
 
         Serving settings: `max_batch` requests decode together (KV cache rows), each rank's KV

@@ -69,7 +69,7 @@ class LoadRequest(Request):
     op: Literal["load"] = "load"
     model_id: ModelId
     path: Annotated[str, Field(min_length=1, max_length=4096)]
-    # llama.cpp's mmproj file of a gemma3 .gguf (its vision tower), confined to the model roots as `path`
+    # llama.cpp's mmproj file of a gemma3 or qwen2vl .gguf (its vision tower), confined to the model roots as `path`
     mmproj: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     dtype: DType | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_context: Annotated[int, Field(ge=1, le=1 << 20)] | None = None

@@ -176,7 +176,7 @@ def _read(config_file: str, processor_file: str, mtimes: tuple[float, float]) ->
 def _read_gguf(path: str, mmproj: str, mtimes: tuple[float, float]) -> VisionInputs | None:
     from celerytp.core.gguf_vision import gguf_vision  # the two GGUF headers
 
-    return vision_inputs(gguf_vision(path, mmproj)[0])
+    return vision_inputs(*gguf_vision(path, mmproj))  # Qwen2.5-VL's image grid is the processor's
 
 
 def checkpoint_vision(path: str, mmproj: str | None = None) -> VisionInputs | None:

@@ -29,7 +29,13 @@ from celerytp.loading.gguf_names import hf_name
 from celerytp.loading.gguf_rope import ROPE_TENSORS, gguf_rope_parameters
 from celerytp.loading.gguf_source import GGUFSource
 
-SUPPORTED_ARCHS = ("llama", "qwen3", "qwen3next", "qwen35", "qwen35moe", "gemma3", "qwen3moe", "qwen2", "phi3")
+SUPPORTED_ARCHS = (
+    "llama", "qwen3", "qwen3next", "qwen35", "qwen35moe", "gemma3", "qwen3moe", "qwen2", "phi3", "qwen2vl",
+)
+# Architectures whose text model is another's: Qwen2.5-VL's language model (qwen2vl: qwen2's tensors,
+# plus the M-RoPE sections `rope.dimension_sections`) is served as qwen2, exact for text (its three
+# position streams are equal), and as qwen2_5_vl with its mmproj (loading/gguf_mmproj.py).
+TEXT_MODEL_TYPES = {"qwen2vl": "qwen2"}
 # Hybrid (Gated DeltaNet) architectures: their converter's rewrites are undone by gguf_hybrid.py.
 HYBRID_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 # MoE model types whose tensors gguf_moe.py translates (experts stacked per layer).
@@ -172,7 +178,7 @@ class GGUFCheckpoint(Checkpoint):
         vocab = key("vocab_size") or (int(embd.shape[1]) if embd is not None else None)
         rope = gguf_rope_parameters(key, self._tensors, head_dim)
         config: dict[str, Any] = {
-            "model_type": arch,
+            "model_type": TEXT_MODEL_TYPES.get(arch, arch),
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": key("feed_forward_length"),

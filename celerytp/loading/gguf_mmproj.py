@@ -1,8 +1,9 @@
-"""A Gemma 3 language-model GGUF plus llama.cpp's mmproj GGUF (its SigLIP tower and projector) as
-one checkpoint: the text file's tensors and config, the mmproj's tensors under the names
-transformers' save_pretrained gives them (`vision_tower.*`, `multi_modal_projector.*`: models/vision.py
-VisionTower.checkpoint_table), and the vision settings both files stand for
-(core/gguf_vision.py).
+"""A language-model GGUF plus llama.cpp's mmproj GGUF (its vision tower and projector) as one
+checkpoint: the text file's tensors and config, the mmproj's tensors under the names transformers'
+save_pretrained gives them, and the vision settings both files stand for (core/gguf_vision.py).
+Gemma 3's SigLIP tower (`vision_tower.*`, `multi_modal_projector.*`: models/vision.py
+VisionTower.checkpoint_table) is read here; Qwen2.5-VL's (`visual.*`) by gguf_qwen_mmproj.py, its
+config being the qwen2_5_vl config.json with the qwen2vl GGUF's as text_config.
 
 convert_hf_to_gguf.py --mmproj (Gemma3VisionModel) names the tensors by gguf-py's
 tensor_mapping.py for MODEL_ARCH.MMPROJ and rewrites, undone here:
@@ -30,6 +31,7 @@ from celerytp.loading.checkpoint import Checkpoint, TensorSource
 from celerytp.loading.gguf_file import open_gguf_reader
 from celerytp.loading.gguf_gemma3 import SourceFactory
 from celerytp.loading.gguf_hybrid import ShiftedNormSource
+from celerytp.loading.gguf_qwen_mmproj import qwen_mmproj_sources
 from celerytp.loading.gguf_source import GGUFSource
 
 # mmproj tensor name stem -> transformers' saved name (MODEL_TENSOR.V_* in gguf-py constants.py)
@@ -51,6 +53,9 @@ BLOCK = {
 }
 INPUT_PROJECTION = ("mm.input_projection.weight", "multi_modal_projector.mm_input_projection_weight")
 SHIFTED = "mm.soft_emb_norm.weight"  # stored + 1
+IMAGE_TOKEN_KEYS = {"gemma3": "image_token_index", "qwen2_5_vl": "image_token_id"}  # by config model_type
+# image_processor_type -> transformers' class for it (the PIL backend: no torchvision)
+PROCESSOR_CLASSES = {"Gemma3ImageProcessor": "Gemma3ImageProcessorPil", "Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil"}
 _BLOCK_RE = re.compile(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -78,8 +83,17 @@ def mmproj_sources(tensors: dict[str, Any]) -> dict[str, SourceFactory]:
     return table
 
 
+def qwen2_5_vl_hf_config(text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    """The qwen2_5_vl config.json a qwen2vl GGUF (`text`: its qwen2 config) and its mmproj
+    (`vision`: gguf_vision's keys) stand for: the text config as text_config, its rotary sections merged in."""
+    rope = {**text["rope_parameters"], **vision["text_config"]["rope_parameters"]}
+    return {**vision, "text_config": {**text, "rope_parameters": rope}, "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
 class MmprojCheckpoint(Checkpoint):
-    """A gemma3 language-model GGUF checkpoint (`text`) with the vision tower of the mmproj at `mmproj`.
+    """A language-model GGUF checkpoint (`text`) with the vision tower of the mmproj at `mmproj`:
+    gemma3 (its config the text model's, the tower's settings added by with_vision) or qwen2vl
+    (its config the qwen2_5_vl config.json, qwen2_5_vl_hf_config).
 
     Args:
         text: the opened language model (closed with this checkpoint).
@@ -91,16 +105,21 @@ class MmprojCheckpoint(Checkpoint):
         self.vision_config, self.image_processor = gguf_vision(text.path, mmproj)
         self._text = text
         self._reader = open_gguf_reader(mmproj)
-        self._tower = mmproj_sources({t.name: t for t in self._reader.tensors})
-        super().__init__(text.path, text.hf_config, text.reads)  # one log of every slice read
+        tensors = {t.name: t for t in self._reader.tensors}
+        self._qwen = self.vision_config["model_type"] == "qwen2_5_vl"
+        self._tower = qwen_mmproj_sources(tensors) if self._qwen else mmproj_sources(tensors)
+        hf_config = qwen2_5_vl_hf_config(text.hf_config, self.vision_config) if self._qwen else text.hf_config
+        super().__init__(text.path, hf_config, text.reads)  # one log of every slice read
 
     def with_vision(self, config: Any) -> Any:
-        """The language model's config with the tower's settings (what a multimodal config.json
-        and its preprocessor_config.json give): models/vision_language.py builds the tower from it."""
-        image = self.vision_config["image_token_index"]
+        """The config with the tower's settings (what a multimodal config.json and its
+        preprocessor_config.json give): models/vision_language.py builds the tower from it."""
+        image = self.vision_config[IMAGE_TOKEN_KEYS[self.vision_config["model_type"]]]
         if image >= config.vocab_size:
             raise CeleryTPError(ErrorKind.LOAD_FAILED, f"{self.path}: the image token id {image} lies outside the "
                                                        f"language model's vocabulary of {config.vocab_size}")
+        if self._qwen:  # its config is already the multimodal one
+            return replace(config, image_processor=self.image_processor)
         return replace(config, vision_config=self.vision_config, image_processor=self.image_processor)
 
     def names(self) -> list[str]:
@@ -117,8 +136,17 @@ class MmprojCheckpoint(Checkpoint):
         self._reader = None  # drop the memory map
 
 
+def mmproj_image_processor(settings: dict[str, Any]) -> Any:
+    """transformers' image processor (PIL backend) for the settings core/gguf_vision.py read from an
+    mmproj (`config.image_processor` of a model loaded with one)."""
+    import transformers  # only vision-language models pay its import
+
+    cls = getattr(transformers, PROCESSOR_CLASSES[settings["image_processor_type"]])
+    return cls(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+
+
 def open_with_mmproj(path: str | os.PathLike[str], mmproj: str | os.PathLike[str]) -> MmprojCheckpoint:
-    """open_checkpoint(path) with the mmproj's tower: a gemma3 .gguf file, else UNSUPPORTED_ARCH."""
+    """open_checkpoint(path) with the mmproj's tower: a gemma3 or qwen2vl .gguf file, else UNSUPPORTED_ARCH."""
     from celerytp.loading import open_checkpoint  # the package imports this module's siblings
 
     text = open_checkpoint(path)

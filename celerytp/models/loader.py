@@ -60,14 +60,16 @@ def load_model(
     CeleryTPError(ErrorKind.LOAD_FAILED) for broken checkpoints or impossible splits. `quant` names the
     ggml format to keep linears in (CeleryTPError(ErrorKind.BAD_REQUEST) if it is not one); None keeps
     each GGUF tensor's own type (see celerytp/quant/plan.py) and leaves others float. `mmproj`:
-    llama.cpp's mmproj file of a gemma3 .gguf's vision tower, loaded with it (loading/gguf_mmproj.py).
+    llama.cpp's mmproj file of a gemma3 or qwen2vl .gguf's vision tower, loaded with it (loading/gguf_mmproj.py).
     """
     check_switches()  # a mistyped CELERYTP_COMPILE or CELERYTP_PACK_LINEARS: fails before any weight is read
     opened = open_checkpoint(path) if mmproj is None else open_with_mmproj(path, mmproj)
     with opened as checkpoint, torch.inference_mode():
-        config = with_image_processor(config_from_hf(checkpoint.hf_config), checkpoint.path)
-        if isinstance(checkpoint, MmprojCheckpoint):
+        config = config_from_hf(checkpoint.hf_config)
+        if isinstance(checkpoint, MmprojCheckpoint):  # its image processor's settings are the mmproj's
             config = checkpoint.with_vision(config)
+        else:
+            config = with_image_processor(config, checkpoint.path)
         plan = resolve_quant(quant, checkpoint, dtype)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         check_context(config, max_context)

@@ -113,7 +113,7 @@ def _one_key(key_file: str | None, env: Mapping[str, str], option: str, variable
 class ServeConfig:
     """Args:
     model_path: model file or directory (absolute).
-    mmproj: llama.cpp's mmproj file of a gemma3 .gguf model (absolute), or None.
+    mmproj: llama.cpp's mmproj file of a gemma3 or qwen2vl .gguf model (absolute), or None.
     model_id: the id clients name it by.
     tp: ranks (world size).
     host, port: where the HTTP API listens.

@@ -2,8 +2,8 @@
 
 Each rank decodes the images' bytes and preprocesses them with the checkpoint's own transformers
 image processor (preprocessor_config.json, the PIL backend: no torchvision; for a GGUF with
-llama.cpp's mmproj, Gemma3ImageProcessor with the mmproj's settings: core/gguf_vision.py), then runs its replica
-of the vision tower (models/vision.py). Every rank computes the same features, so no image tensor
+llama.cpp's mmproj, the family's processor with the mmproj's settings: core/gguf_vision.py), then
+runs its replica of the vision tower (models/vision.py and its siblings). Every rank computes the same features, so no image tensor
 crosses the group: docs/design.md, "Images".
 """
 
@@ -33,9 +33,9 @@ class ImageFeatures:
 
         self.model = model
         if mmproj is not None:  # no preprocessor_config.json: the settings the loader read from the mmproj
-            from transformers import Gemma3ImageProcessorPil
+            from celerytp.loading.gguf_mmproj import mmproj_image_processor
 
-            self.processor = Gemma3ImageProcessorPil(**model.config.image_processor)
+            self.processor = mmproj_image_processor(model.config.image_processor)
             return
         directory = path if path.is_dir() else path.parent
         try:
