@@ -584,6 +584,9 @@ def test_responses_stream_the_semantic_events(client):
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                              {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
      "input[0].content[1]"),
+    ({"instructions": "Be brief.", "input": [  # named within input, not within the chat it becomes
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
+     "input[0].content[0]"),
     ({"input": "Hi", "max_output_tokens": "5"}, "max_output_tokens"),
     ({"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

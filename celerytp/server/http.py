@@ -245,18 +245,24 @@ def create_app(service: Service, api_keys: str | Sequence[str] | None = None, ad
     async def create_response(request: Request) -> Response:
         body = parse(ResponsesRequest, await json_body(request))
         history = await run_in_threadpool(responses.history, service, body.previous_response_id)
+        earlier = len(history) + bool(body.instructions)  # the chat's messages before input's
         try:
             shape, rows = await begin(request, responses.as_chat(body, history), chat=True)
         except CeleryTPError as exc:
-            raise responses.renamed(exc) from None
+            raise responses.renamed(exc, earlier) from None
         if shape.grammar_field == "response_format":  # an error about the grammar names the field as written
             shape.grammar_field = request.state.grammar_field = "text.format"
         answer = responses.Answer(body, shape.model_id, history, shape.tools)
-        if body.stream and shape.tools is None:  # text streams as it comes; tool calls are decided at the end
-            stream = await run_in_threadpool(service.stream, shape.model_id, rows[0])
+        try:  # a request refused as it is tokenized (its images checked) names the fields as written too
+            if body.stream and shape.tools is None:  # text streams as it comes; tool calls are decided at the end
+                stream = await run_in_threadpool(service.stream, shape.model_id, rows[0])
+            else:
+                result = (await generate_choices(request, service, shape.model_id, rows))[0]
+        except CeleryTPError as exc:
+            raise responses.renamed(exc, earlier) if exc.kind == ErrorKind.BAD_REQUEST else exc from None
+        if body.stream and shape.tools is None:
             events = responses.text_events(answer, stream, request, service)
         else:
-            result = (await generate_choices(request, service, shape.model_id, rows))[0]
             if not body.stream:
                 return JSONResponse(await run_in_threadpool(answer.finish, service, result))
             events = responses.whole_events(answer, result, service)

@@ -13,6 +13,7 @@ does; a request with tools streams its items once the answer is decided.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -193,9 +194,13 @@ _RENAMED = (("field 'messages", "field 'input"), ("field 'max_completion_tokens"
             ("field 'response_format", "field 'text.format"), ("field 'tools", "field 'tools"))
 
 
-def renamed(exc: CeleryTPError) -> CeleryTPError:
-    """A chat request's error naming the field as the Responses request wrote it."""
+def renamed(exc: CeleryTPError, earlier: int = 0) -> CeleryTPError:
+    """A chat request's error naming the field as the Responses request wrote it; `earlier`: the
+    chat's messages before `input`'s (instructions, the stored conversation)."""
     message = exc.message
+    at = re.match(r"field 'messages\[(\d+)\]", message)
+    if at and int(at.group(1)) >= earlier:  # one of input's items, counted from input's start
+        message = f"field 'input[{int(at.group(1)) - earlier}]" + message[at.end():]
     for chat, written in _RENAMED:
         if message.startswith(chat):
             message = written + message[len(chat):]

@@ -63,9 +63,15 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (server/tools.py `history`)
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> Message:
+        if self.role != "user" and isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            raise ValueError(f"image parts are taken in user messages only (this one's role is {self.role!r})")
+        return self
+
     def as_dict(self) -> dict[str, Any]:
-        """The message as a chat template takes it: text parts joined; with images, the parts in
-        order (core/images.py takes the images out)."""
+        """The message as a chat template takes it: text parts joined; with images (a user's), the
+        parts in order (core/images.py takes the images out)."""
         role = "system" if self.role == "developer" else self.role
         if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
             return {"role": role, "content": [p.model_dump(exclude_none=True) for p in self.content]}

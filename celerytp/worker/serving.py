@@ -371,7 +371,7 @@ class ServingLoop:
         if (_seeded(spec) and not self.invariant) or spec.prompt_logprobs is not None:
             return 0
         held = self.model.reusable_prefix(self.row_tokens.get(row, []), self._keys(spec))
-        return whole_images(held, self._image_runs(spec), -1) if self._image_runs(spec) else held
+        return whole_images(held, self._image_runs(spec), -1)  # never ending inside an image seen whole
 
     def _image_runs(self, spec: GenSpec) -> list[tuple[int, int]]:
         """[start, end) of each image's places in `spec`'s prompt, where a prefill piece must hold
