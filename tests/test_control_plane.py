@@ -8,7 +8,9 @@ group refuses every tensor that is not a floating-point activation, as NCCL refu
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,7 @@ from celerytp.client.healer import _LockRenewal
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import broken_key, comm_key, dispatch_lock_key, loop_key, loop_stats_key
+from celerytp.core.switches import ASYNC_FAILURES_ENV, SHM_ENV
 from celerytp.core.model_files import default_model_path
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.distributed import tp as tp_module
@@ -46,6 +49,59 @@ def strict(tiny):
     env = {"CELERYTP_STRICT_MODEL_GROUP": "1"}
     with LocalCluster(world_size=2, group="strict", model_roots=[str(path.parent)], env=env) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A tiny llama of 8 layers (16 model collectives a step) with SmolLM2's tokenizer."""
+    model_type, kwargs = TINY_CONFIGS["llama_gqa_bias"]
+    model = make_hf_model(model_type, dict(kwargs, num_hidden_layers=8, max_position_embeddings=256), seed=4)
+    path = tmp_path_factory.mktemp("late") / "deep"
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(default_model_path()).save(path)
+    return model.config.vocab_size, path
+
+
+@pytest.mark.parametrize("mode", ["raise", "block"])
+def test_a_peer_lost_under_a_collective_that_fails_late_is_healed_and_no_rank_hangs(deep, mode):
+    """NCCL (no GPU here) queues a collective and returns at once: a peer lost under it shows only
+    when the host next waits for the device, the step's one copy to the host, and the step's
+    outputs are undefined. CELERYTP_ASYNC_FAILURES makes a CPU group's model collectives fail so
+    (distributed/tp.py `host_sync`): raised at that sync ("raise"), or the sync waits on for good
+    ("block"), as a copy behind a collective that never ends does. Rank 1 is SIGKILLed mid-stream
+    until rank 0 meets the loss in a model collective (not first in a control one, which fails
+    at once on every backend). Raise: rank 0 marks the group broken and keeps its process; block:
+    the deadman ends rank 0 within seconds and it restarts. Either way the group heals with no
+    person and the stream goes on where it stopped, with no token of the failed step: its text
+    equals an unbroken run's."""
+    vocab, path = deep
+    env = {ASYNC_FAILURES_ENV: mode,  # what this test checks
+           # gloo fails a collective at once when its peer's socket closes, as NCCL reports a lost
+           # peer; the shared-memory path would wait out its deadline instead
+           SHM_ENV: "0"}
+    with LocalCluster(world_size=2, group=f"late-{mode}", model_roots=[str(path.parent)], env=env) as cluster:
+        leader = cluster.leader
+        leader.load("deep", path, idle_s=0.2)
+        ask = dict(prompt=make_prompt(vocab, 6), max_tokens=160, ignore_eos=True, temperature=0)
+        reference = leader.generate("deep", **ask)
+        for _ in range(4):
+            restarts = list(cluster.restarts)
+            stream, deltas, killed = leader.stream("deep", **ask), [], 0.0
+            for delta in stream:
+                deltas.append(delta)
+                if len(deltas) == 8:
+                    os.killpg(cluster.workers[1].pid, signal.SIGKILL)
+                    killed = time.monotonic()
+            assert "".join(deltas) == reference.text and stream.result.token_ids == reference.token_ids
+            assert killed and time.monotonic() - killed < 30
+            if "failed unseen" in cluster.log(0):
+                break
+        else:
+            pytest.fail("rank 0 met the lost peer in a control collective every time")
+        assert "collective failed" in cluster.log(0) if mode == "raise" else "peer of this collective op is gone" in cluster.log(0)
+        assert cluster.restarts[1] == restarts[1] + 1
+        assert cluster.restarts[0] == restarts[0] + (mode == "block")
+        assert [r.observed_sum for r in leader.sanity_check()] == [2, 2]
 
 
 def test_strict_mode_refuses_control_data_on_the_model_group(monkeypatch, tmp_path):

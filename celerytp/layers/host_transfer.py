@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
+from celerytp.distributed.tp import host_sync
+
 
 def to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """`values` (Python data or a host tensor) on `device`: built on the host, pinned where the
@@ -26,6 +28,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     below 2**24, as token ids are: the vocabulary-parallel head sends them so too)."""
     if not tensors:
         return []
+    host_sync()  # the copy waits for every collective queued before it
     joined = torch.cat([t.reshape(-1).float() for t in tensors]).cpu()
     parts = joined.split([t.numel() for t in tensors])
     return [part.view(t.shape).to(t.dtype if t.is_floating_point() else torch.long) for part, t in zip(parts, tensors)]

@@ -20,7 +20,7 @@ from celerytp.core.redis_client import connect
 from celerytp.distributed import control, shm
 from celerytp.distributed.control import CollectiveFailed, ControlGroup
 from celerytp.distributed.store import RedisStore
-from celerytp.distributed.tp import TPContext
+from celerytp.distributed.tp import TPContext, forget_unseen_failure, host_sync
 from celerytp.worker.config import RankConfig
 from celerytp.worker.loaded_model import LoadedModel
 
@@ -139,7 +139,9 @@ class RankState:
         """Run code that enters collectives; a timeout or a lost peer (a CollectiveFailed, raised by
         either channel's wrappers) marks the group broken and tells the leaders to re-form it."""
         try:
-            return fn()
+            result = fn()
+            host_sync()  # an op ends with its device work done: a collective that failed unseen is seen here
+            return result
         except CollectiveFailed as exc:
             self.mark_broken(str(exc))
             kind = ErrorKind.TIMEOUT if exc.timed_out else ErrorKind.RANK_LOST
@@ -195,6 +197,7 @@ class RankState:
             raise CeleryTPError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
         self.comm_id = comm_id
         self.group_broken = None
+        forget_unseen_failure()
         self.members = read_owners(self.redis, self.config.group, self.world_size)
         return backend
 
