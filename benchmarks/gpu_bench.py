@@ -11,6 +11,8 @@ skipped (named in the table):
    sm90, which builds a plan per shape), and eager (CELERYTP_COMPILE=0).
 2. syncs: the tiny model's bare serving loop (world size 1) with CELERYTP_SYNC_CHECK=1: the host's
    waits for the device per step, by kind (worker/host_syncs.py); a step over budget fails it.
+   moe: the same for a small Qwen3-MoE in bfloat16, after checking that torch's grouped kernel
+   runs its experts' products (layers/moe.py `grouped_linear`) and agrees with one product each.
 3. smol: SmolLM2 in bfloat16 (the shipped GGUF dequantized through celerytp's GGUF reader into a
    Hugging Face directory, the same weights for both): decode tokens/s at batch 1 and 16, our decode steps
    (compiled, as a CUDA rank loads it) against transformers' `generate` with a static cache and
@@ -43,7 +45,7 @@ LOOP_VARIANTS = {  # name -> environment of the cluster's rank
     "torch's SDPA pick": {"CELERYTP_BATCH_INVARIANT": "0"},
     "eager": {"CELERYTP_COMPILE": "0"},
 }
-PART_LIMIT_S = {"loop": 75, "syncs": 60, "smol": 150, "tp2": 60, "profile": 45}
+PART_LIMIT_S = {"loop": 75, "syncs": 60, "moe": 45, "smol": 150, "tp2": 60, "profile": 45}
 
 
 def main() -> int:
@@ -60,7 +62,7 @@ def main() -> int:
         return 0
     deadline = time.monotonic() + args.budget_s
     rows = []
-    for name in ("loop", "syncs", "smol", "tp2", "profile"):
+    for name in ("loop", "syncs", "moe", "smol", "tp2", "profile"):
         jobs = [(f"loop: {variant}", ["--part", "loop", "--index", str(i)]) for i, variant in enumerate(LOOP_VARIANTS)] \
             if name == "loop" else [(name, ["--part", name])]
         if args.device == "cpu" and name == "loop":
@@ -111,6 +113,12 @@ def part_loop(args: argparse.Namespace) -> dict:
 
 def part_syncs(args: argparse.Namespace) -> dict:
     """The bare serving loop in this process (world size 1) with the sync check on."""
+    return host_waits(tiny(), args.device)
+
+
+def host_waits(path: Path, device: str, dtype: str = "float32") -> dict:
+    """The host's waits per step of the bare serving loop (world size 1, the sync check on) over
+    16 requests of the model at `path`, greedy and drawn."""
     os.environ["CELERYTP_SYNC_CHECK"] = "1"
     import torch
     import torch.distributed as dist
@@ -122,14 +130,45 @@ def part_syncs(args: argparse.Namespace) -> dict:
     from celerytp.worker.serving import ListSource, ServingLoop
 
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1)
-    device = torch.device(args.device)
-    model = load_model(str(tiny()), TPContext(), device=device, max_batch=16)
+    model = load_model(str(path), TPContext(), device=torch.device(device), dtype=getattr(torch, dtype), max_batch=16)
     specs = [GenSpec(request_id=f"r{i}", prompt=list(range(5, 12 + i)), max_tokens=24,
                      sampling={"temperature": 0.0 if i % 2 else 0.8, "seed": i}) for i in range(16)]
     loop = ServingLoop(model, ControlGroup.on_default_group(0, 1), {}, 64, 0.0, ListSource(specs))
     stats = loop.run()
     return {"steps": stats["steps"], "per_step": {kind: round(n / stats["steps"], 2) for kind, n in loop.host_waits.items()},
             "new_decode_shapes": stats["new_decode_shapes"]}
+
+
+def part_moe(args: argparse.Namespace) -> dict:
+    """A small random Qwen3-MoE in bfloat16 (float32 on a CPU): whether torch's grouped kernel
+    runs the experts' products (layers/moe.py `grouped_linear`) and how far it is from one
+    product per expert, then the bare loop's host waits per step (none for the routing)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from celerytp.layers import moe
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.device == "cpu":
+        os.environ["CELERYTP_DEVICE_PATH_ON_CPU"] = "1"  # a CUDA rank's path, which keeps routing on the device
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(16, 384, 256, generator=g) / 16
+    ends = torch.tensor(sorted(torch.randint(0, 65, (15,), generator=g).tolist()) + [64], dtype=torch.int32)
+    x, w = x.to(args.device, dtype), w.to(args.device, dtype)
+    kernel = moe._grouped_kernel(x, w)
+    grouped = torch.ops.celerytp.grouped_linear(x, w, ends.to(args.device)).float()
+    starts = [0, *ends[:-1].tolist()]
+    one_by_one = torch.cat([x[a:b].float() @ w[e].float().T for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
+    error = float((grouped - one_by_one).abs().max() / one_by_one.abs().max())
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=1024, hidden_size=256, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
+                                  moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                                  max_position_embeddings=512)
+    torch.manual_seed(0)
+    path = Path(tempfile.mkdtemp(prefix="gpubench-moe-")) / "moe"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return {"grouped_kernel": kernel, "relative_error": round(error, 5),
+            **host_waits(path, args.device, str(dtype).removeprefix("torch."))}
 
 
 def part_smol(args: argparse.Namespace) -> dict:
@@ -234,7 +273,7 @@ def part_profile(args: argparse.Namespace) -> dict:
     return {"steps": [line for line in done.stdout.splitlines() if line.startswith(("load", "batch"))]}
 
 
-PARTS = {"loop": part_loop, "syncs": part_syncs, "smol": part_smol, "tp2": part_tp2, "tp2_rank": part_tp2_rank,
+PARTS = {"loop": part_loop, "syncs": part_syncs, "moe": part_moe, "smol": part_smol, "tp2": part_tp2, "tp2_rank": part_tp2_rank,
          "profile": part_profile}
 
 if __name__ == "__main__":

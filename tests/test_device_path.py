@@ -113,8 +113,7 @@ def test_a_serving_step_waits_for_the_device_once_on_rank_0_and_never_elsewhere(
     assert all("tokens" in row for row in run["rows"].values()), run["rows"]
     stats, waits = run["stats"], run["stats"]["host_waits"]  # rank 0's
     assert stats["steps"] >= 12 and 0 < waits.pop("host_read") <= stats["steps"]
-    # the experts' routing is read on the host (layers/moe.py: no grouped-GEMM kernel), outside the budget
-    assert waits == ({} if family == "llama" else {"moe_routing": waits["moe_routing"]})  # qwen3_next: MoE too
+    assert waits == {}  # MoE too (qwen3_next has it): its experts' groups stay on the device (layers/moe.py)
     assert 1 <= stats["new_decode_shapes"] <= 8  # widths of 1, 2, 4 and 8 rows x 16 or 32 keys
     monkeypatch.delenv("CELERYTP_DEVICE_PATH_ON_CPU")
     monkeypatch.delenv("CELERYTP_SYNC_CHECK")
@@ -211,3 +210,19 @@ def test_cuda_attention_is_the_memory_efficient_backend_with_its_query_heads_fol
         for mask in (decode, prefill, None):
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=heads != kv_heads)
             torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.25), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_experts_grouped_matmul_equals_one_product_per_expert(monkeypatch):
+    """The float experts' one op (layers/moe.py `grouped_linear`): its CPU body (one product per
+    expert) and torch's grouped kernel, called as a GPU calls it (no GPU here: torch's CPU kernel
+    stands in), give each run of rows its expert's product, empty runs and a last expert included."""
+    from celerytp.layers import moe
+
+    x, w = torch.randn(9, 32), torch.randn(5, 24, 32)
+    ends = torch.tensor([2, 2, 6, 6, 9], dtype=torch.int32)
+    expected = torch.cat([x[:2] @ w[0].T, x[2:6] @ w[2].T, x[6:9] @ w[4].T])
+    per_expert = torch.ops.celerytp.grouped_linear(x, w, ends)
+    monkeypatch.setattr(moe, "_grouped_kernel", lambda x, weight: True)
+    kernel = torch.ops.celerytp.grouped_linear(x, w, ends)
+    for got in (per_expert, kernel):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ that needs another value sets it itself and says why.
 | CELERYTP_QUANT_KERNEL | auto, dequant, int8pack | the kernel of ggml-format linears (layers/quantized.py) |
 | CELERYTP_SHM | 1, 0 | same-host collectives through shared memory (distributed/shm.py) |
 | CELERYTP_ALLOW_SLOW_HALF | 0, 1 | load half-precision weights where they decode slower (models/half_precision.py) |
-| CELERYTP_DEVICE_PATH_ON_CPU | 0, 1 | a CPU rank takes a CUDA rank's decisions (models/base.py `takes_device_path`) |
+| CELERYTP_DEVICE_PATH_ON_CPU | 0, 1 | a CPU rank takes a CUDA rank's decisions (layers/host_transfer.py `takes_device_path`) |
 | CELERYTP_SYNC_CHECK | 0, 1 | fail a serving step that makes the host wait for the device more than its budget (worker/host_syncs.py) |
 | CELERYTP_ASYNC_FAILURES | 0, raise, block | tests only: a CPU group's model collectives fail as NCCL's do, seen at the next host sync (distributed/tp.py `host_sync`) |
 

@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 import torch
 
+from celerytp.core.switches import DEVICE_PATH_ENV, switch
 from celerytp.distributed.tp import host_sync
+
+
+def takes_device_path(device: torch.device) -> bool:
+    """Whether a model on `device` takes the decisions made for GPUs (shape buckets, no host reads
+    in its layers): on CUDA, and on a CPU with CELERYTP_DEVICE_PATH_ON_CPU=1, so that CI runs that path."""
+    return device.type == "cuda" or switch(DEVICE_PATH_ENV) == "1"
 
 
 def to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -8,13 +8,16 @@ and the block ends with exactly one all-reduce of the summed partial outputs.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.host_transfer import expected_wait
+from celerytp.layers.host_transfer import expected_wait, takes_device_path
 from celerytp.layers.lanewise import lanewise
 from celerytp.layers.linear import ReplicatedLinear
 from celerytp.layers.mlp import SwiGLUMLP
@@ -27,6 +30,7 @@ from celerytp.quant.formats import QuantPlan
 from celerytp.quant.plan import mlp_block
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+log = logging.getLogger(__name__)
 
 
 class RoutedExperts(nn.Module):
@@ -65,6 +69,7 @@ class RoutedExperts(nn.Module):
         for p in (self.w13, self.w2):
             p.tp_sharded = True
             p.weight_loader = self.weight_loader
+        self.device_path = takes_device_path(device)  # no host reads: the float experts as one op
 
     def checkpoint_entries(self, prefix: str) -> dict[str, tuple[nn.Parameter, str]]:
         """Checkpoint name -> (stacked parameter, "expert.projection")."""
@@ -98,28 +103,29 @@ class RoutedExperts(nn.Module):
         that any token chose runs one matmul over all of its tokens.
         """
         N, top_k = experts.shape
-        # Which experts run, and on how many tokens, is read on the host: one wait per layer on a
-        # GPU, where a grouped-GEMM kernel could take the counts on the device (we have none).
-        if N == 1:  # decode: top_k experts, one token each
-            with expected_wait("moe_routing"):
-                chosen = zip(experts[0].tolist(), weights[0], strict=True)
+        if N == 1 and not self.device_path:  # decode on a CPU: its top_k experts as a list, the fewest ops
+            chosen = zip(experts[0].tolist(), weights[0], strict=True)
             return _combine([w.to(x.dtype) * self._expert(e, x) for e, w in chosen])
         flat = experts.reshape(-1)  # (N * top_k,)
         order = flat.argsort(stable=True)
-        token = order // top_k  # token of each sorted assignment
         bounds = torch.searchsorted(flat[order], torch.arange(self.num_experts + 1, device=flat.device))
-        with expected_wait("moe_routing"):
-            counts = bounds.diff().tolist()
-        xs = x[token]  # (N * top_k, H), grouped by expert
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                ys[start : start + count] = self._expert(e, xs[start : start + count])
-                start += count
-        ys *= weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
-        by_token = torch.empty_like(ys)
-        by_token[order] = ys
+        xs = x.index_select(0, order // top_k)  # (N * top_k, H), grouped by expert
+        if self.q13 is None:  # float experts: the groups' ends stay a tensor (`grouped_linear`)
+            grouped = torch.ops.celerytp.grouped_linear if self.device_path else _grouped_linear  # (a dispatch costs ~10 µs)
+            ends = bounds[1:].to(torch.int32)
+            gate, up = grouped(xs, self.w13, ends).chunk(2, dim=-1)
+            ys = grouped(F.silu(gate) * up, self.w2, ends)
+        else:  # quantized experts, a kernel call each: which run, and on how many tokens, is read on
+            with expected_wait("moe_routing"):  # the host (a wait per layer on a GPU)
+                counts = bounds.diff().tolist()
+            ys, start = [], 0
+            for e, count in enumerate(counts):
+                if count:
+                    ys.append(self._expert(e, xs[start : start + count]))
+                    start += count
+            ys = torch.cat(ys)
+        ys = ys * weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+        by_token = torch.empty_like(ys).index_copy_(0, order, ys)
         return _combine(list(by_token.view(N, top_k, -1).unbind(1)))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -128,6 +134,58 @@ class RoutedExperts(nn.Module):
             return self.q2[e](F.silu(gate) * up)
         gate, up = float_linear(x, self.w13[e], None).chunk(2, dim=-1)  # (n, I_local) each
         return float_linear(F.silu(gate) * up, self.w2[e], None)  # (n, H) partial
+
+
+# The float experts' grouped matmul as one op, so that its groups' ends stay a tensor wherever it
+# runs: on a GPU, torch's grouped GEMM takes them on the device (its CUTLASS kernel: bfloat16 on
+# sm90 and later; torch's fallback elsewhere reads them back itself); on a CPU, one oneDNN product
+# per group (`float_linear`, batch-invariant) reads them from host memory, which makes nothing
+# wait. Being one op, its inside is out of worker/host_syncs.py's sight, as any kernel's is: on a
+# GPU where torch has no grouped kernel for the dtype or shape, the loop below reads the ends back,
+# a wait per layer (as every MoE layer made before).
+_LIB = torch.library.Library("celerytp", "FRAGMENT")
+_LIB.define("grouped_linear(Tensor x, Tensor weight, Tensor ends) -> Tensor")
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x (M, in) W_e^T for each run x[ends[e-1]:ends[e]] of rows, W = weight (E, out, in); int32 ends (E,)."""
+    if _grouped_kernel(x, weight):
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    parts, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            parts.append(float_linear(x[start:end], weight[e], None))
+        start = end
+    return torch.cat(parts)
+
+
+_LIB.impl("grouped_linear", _grouped_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("celerytp::grouped_linear", lib=_LIB)
+def _(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _grouped_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul kernel takes these operands (off a CPU, rows of whole 16 bytes)."""
+    aligned = x.shape[1] % 8 == 0 and weight.shape[1] % 8 == 0
+    return x.device.type != "cpu" and aligned and grouped_mm_works(x.dtype, str(x.device))
+
+
+@functools.cache
+def grouped_mm_works(dtype: torch.dtype, device: str) -> bool:
+    """Whether torch's grouped matmul runs here in `dtype` and agrees with one matmul per group."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 32, generator=g), torch.randn(3, 16, 32, generator=g)
+    ends = torch.tensor([2, 2, 5], dtype=torch.int32)
+    try:
+        y = F.grouped_mm(x.to(device, dtype), w.to(device, dtype).transpose(1, 2), offs=ends.to(device)).float().cpu()
+    except (RuntimeError, NotImplementedError) as exc:
+        log.info("grouped matmul in %s on %s unavailable (%s); experts run one by one", dtype, device, exc)
+        return False
+    ref = torch.cat([x[:2] @ w[0].T, x[2:5] @ w[2].T])
+    return bool((y - ref).abs().max() <= 2e-2 * ref.abs().max())
 
 
 def _combine(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from celerytp.core.errors import CeleryTPError, ErrorKind
-from celerytp.core.switches import DEVICE_PATH_ENV, INVARIANT_ENV, switch
+from celerytp.core.switches import INVARIANT_ENV, switch
 from celerytp.core.vision_inputs import VisionInputs, runs
 from celerytp.distributed.tp import TPContext
 from celerytp.layers import packed_linear
-from celerytp.layers.host_transfer import to_device
+from celerytp.layers.host_transfer import takes_device_path, to_device
 from celerytp.layers.kv_cache import CacheSlots, KVCache, bucket, keys_bucket
 from celerytp.layers.moe import RoutedExperts
 from celerytp.layers.rotary import RotaryEmbedding
@@ -24,12 +24,6 @@ from celerytp.quant.formats import QuantPlan
 
 Progress = Callable[[int, int, str], None]
 log = logging.getLogger(__name__)
-
-
-def takes_device_path(device: torch.device) -> bool:
-    """Whether a model on `device` takes the decisions made for GPUs (shape buckets): on CUDA,
-    and on a CPU with CELERYTP_DEVICE_PATH_ON_CPU=1, so that CI runs that path."""
-    return device.type == "cuda" or switch(DEVICE_PATH_ENV) == "1"
 
 
 @dataclass(frozen=True)

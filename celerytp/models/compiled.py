@@ -123,7 +123,7 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
     decoder.decode_runs = [partial(run_compiled, step, run) for run in runs]
     # CUDA graphs replay one recorded shape each: decode shapes are bucketed (models/base.py), and
     # every width bucket is recorded now (a key-length bucket when a row first reaches it).
-    eager_buckets = model.decode_buckets  # the device path's (models/base.py `takes_device_path`)
+    eager_buckets = model.decode_buckets  # the device path's (layers/host_transfer.py `takes_device_path`)
     model.decode_buckets, model.decode_masked = graphs or eager_buckets, True
     if graphs:  # the KV cache stays where the graphs recorded it: static inputs, never copied in per replay
         for cache in model.kv_caches():
