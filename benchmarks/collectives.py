@@ -4,7 +4,9 @@ Run: python benchmarks/collectives.py
 
 All-reduce median latency of float32 tensors of 2 KiB, 64 KiB and 1 MiB between 2 and 3
 spawned processes (one intra-op thread each), gloo and shared memory on the same group, in
-one run. What it does to decode speed: benchmarks/decode.py.
+one run. What it does to decode speed: benchmarks/decode.py. At 3 ranks also 4 MiB (too large
+for the segment), gloo's ring against the model group's gather and fold in rank order, which
+keeps a row's sum the same bits whatever travels beside it (distributed/tp.py).
 
 Prints one JSON object and a readable table.
 """
@@ -25,8 +27,8 @@ import torch.multiprocessing as mp
 from celerytp.distributed import shm
 from celerytp.distributed.tp import TPContext
 
-SIZES = {"2KiB": 2 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20}
-ITERS = {"2KiB": 2000, "64KiB": 500, "1MiB": 100}
+SIZES = {"2KiB": 2 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}
+ITERS = {"2KiB": 2000, "64KiB": 500, "1MiB": 100, "4MiB": 30}
 
 
 def _init(rank: int, world_size: int, init_file: str, use_shm: bool, threads: int) -> TPContext:
@@ -38,12 +40,15 @@ def _init(rank: int, world_size: int, init_file: str, use_shm: bool, threads: in
 
 
 def _latency_rank(rank: int, world_size: int, init_file: str, out) -> None:
-    _init(rank, world_size, init_file, True, 1)
+    tp = _init(rank, world_size, init_file, True, 1)
     group = shm.active()
     result = {}
     for label, nbytes in SIZES.items():
         x = torch.randn(nbytes // 4)
-        for name, op in (("gloo", lambda t: dist.all_reduce(t)), ("shm", group.all_reduce)):
+        ops = [("gloo", lambda t: dist.all_reduce(t))]
+        ops += [("shm", group.all_reduce)] if group.fits(x) else []
+        ops += [("rank order", tp._all_reduce_in_rank_order)] if world_size > 2 else []
+        for name, op in ops:
             times = []
             for i in range(ITERS[label] + 50):
                 start = time.perf_counter()

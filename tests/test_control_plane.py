@@ -25,8 +25,8 @@ from celerytp.client.healer import _LockRenewal
 from celerytp.cluster import LocalCluster
 from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.keys import broken_key, comm_key, dispatch_lock_key, loop_key, loop_stats_key
-from celerytp.core.switches import ASYNC_FAILURES_ENV, SHM_ENV
 from celerytp.core.model_files import default_model_path
+from celerytp.core.switches import ASYNC_FAILURES_ENV, SHM_ENV
 from celerytp.core.tokenizer import load_tokenizer
 from celerytp.distributed import tp as tp_module
 from celerytp.distributed.tp import TPContext

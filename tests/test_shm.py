@@ -106,6 +106,22 @@ def _check_inference_mode(rank: int, world_size: int, group: shm.ShmGroup) -> No
     assert torch.equal(control.all_reduce(x.clone()), expected)
 
 
+def _check_rank_order(rank: int, world_size: int) -> None:
+    """The model group's all-reduce of a tensor too large for the segment (gloo's path, as a long
+    prefill's) sums each row to the same bits as the same rows alone through the segment (as
+    decode's): both fold in rank order."""
+    from celerytp.distributed.tp import TPContext
+
+    # the default group takes the segment when a tensor fits; a group named takes gloo's path always
+    tp, off_segment = TPContext(rank, world_size), TPContext(rank, world_size, dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    rows = torch.randn(301, 4097, generator=g)  # 4.7 MiB, not a whole number of chunks: folded in chunks
+    whole = tp.all_reduce(rows.clone())
+    for start, stop in ((0, 63), (37, 38), (300, 301)):  # under 1 MiB: the segment's fold, or gathered whole
+        for ctx in (tp, off_segment):
+            assert torch.equal(ctx.all_reduce(rows[start:stop].clone()), whole[start:stop]), (start, ctx.group)
+
+
 def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.txt"
@@ -129,6 +145,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_di
             _check_collectives(rank, world_size, group)
             shm.detach()
             assert _maps("self", name) == 0, "segment still mapped after detach"
+            out.write_text("ok")
+        elif scenario == "rank_order":
+            _check_rank_order(rank, world_size)
             out.write_text("ok")
         elif scenario == "dead_peer":
             if rank == world_size - 1:
@@ -192,6 +211,14 @@ def _run(world_size: int, scenario: str, tmp_path: Path, expect_ok: list[int], t
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_all_reduce_and_broadcast_match_gloo(world_size: int, tmp_path: Path) -> None:
     _run(world_size, "collectives", tmp_path, list(range(world_size)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rows_sum_is_the_same_bits_through_gloo_and_the_segment(world_size: int, tmp_path: Path) -> None:
+    """A row's sum through the model group is the same bits alone, in a tensor the segment takes,
+    gathered whole off it, or folded in chunks. At three ranks gloo's own ring gives a row other
+    bits than the segment's rank-order fold (this fails with CELERYTP_BATCH_INVARIANT=0)."""
+    _run(world_size, "rank_order", tmp_path, list(range(world_size)))
 
 
 def test_dead_peer_raises_the_timeout_within_the_deadline(tmp_path: Path) -> None:

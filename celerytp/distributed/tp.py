@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from celerytp.core.step_clock import timed
-from celerytp.core.switches import ASYNC_FAILURES_ENV, switch
+from celerytp.core.switches import ASYNC_FAILURES_ENV, INVARIANT_ENV, switch
 from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed, checked, checked_shm
 
@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 # two-channel rule, docs/design.md): any other tensor handed to it is refused loudly.
 STRICT_ENV = "CELERYTP_STRICT_MODEL_GROUP"
 _STRICT = os.environ.get(STRICT_ENV, "").strip() in ("1", "true", "yes")
+
+
+RANK_ORDER_GATHER_BYTES = 1 << 20  # `_all_reduce_in_rank_order`: gathered whole up to this
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -74,9 +77,40 @@ class TPContext:
             fast = self._shm(tensor)
             if fast is not None:
                 _issue(lambda: checked_shm(lambda: fast.all_reduce(tensor)))
+            elif self.world_size > 2 and switch(INVARIANT_ENV) == "1":
+                self._all_reduce_in_rank_order(tensor)
             else:
                 _issue(lambda: checked(lambda: dist.all_reduce(tensor, group=self.group)))
         return tensor
+
+    def _all_reduce_in_rank_order(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place folding every element 0 + 1, + 2, ... as the shared-memory path
+        does, so a row's sum is the same bits whatever travels beside it, a prefill's as a decode's
+        (docs/models.md, "Batch invariance"). A backend's own all-reduce (gloo's ring, NCCL's ring
+        or tree) folds each chunk starting from a rank chosen by the tensor's size: at two ranks
+        that is a + b either way, from three on a row's sum changes with the batch.
+
+        Up to 1 MiB every rank gathers every rank's tensor and folds it all (one collective: the
+        least waiting). Above, rank r takes every rank's r-th chunk (all-to-all), folds those, and
+        the ranks gather the folded chunks: the bytes a ring moves, in two collectives
+        (benchmarks/collectives.py). Both fold alike, so both give the same bits."""
+        flat, world = tensor.view(-1), self.world_size
+        if tensor.nbytes <= RANK_ORDER_GATHER_BYTES:
+            parts = flat.new_empty(world, flat.numel())
+            _issue(lambda: checked(lambda: dist.all_gather_into_tensor(parts.view(-1), flat, group=self.group)))
+            torch.add(parts[0], parts[1], out=flat)
+            for r in range(2, world):
+                torch.add(flat, parts[r], out=flat)
+            return
+        chunk = -(-flat.numel() // world)
+        sent = F.pad(flat, (0, chunk * world - flat.numel()))
+        taken = sent.new_empty(world, chunk)  # every rank's chunk `rank`
+        _issue(lambda: checked(lambda: dist.all_to_all_single(taken.view(-1), sent, group=self.group)))
+        mine = torch.add(taken[0], taken[1])
+        for r in range(2, world):
+            torch.add(mine, taken[r], out=mine)
+        _issue(lambda: checked(lambda: dist.all_gather_into_tensor(sent, mine, group=self.group)))
+        flat.copy_(sent[: flat.numel()])
 
     def gather_last_dim(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate every rank's `tensor` along the last dim in rank order (rank r's is
