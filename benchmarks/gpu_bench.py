@@ -17,9 +17,12 @@ skipped (named in the table):
    Hugging Face directory, the same weights for both): decode tokens/s at batch 1 and 16, our decode steps
    (compiled, as a CUDA rank loads it) against transformers' `generate` with a static cache and
    `torch.compile(mode="reduce-overhead")`; and our load time again with the compile cache warm.
-4. tp2: TP=2 on one GPU, two processes whose model group is gloo over CUDA tensors (the sharded
+4. invariance: benchmarks/invariance.py on the device (the shipped model, as a CUDA rank loads
+   it): a row's logits alone against beside 15 others, and prefilled against decoded, bit for
+   bit, each way of CELERYTP_BATCH_INVARIANT, with the decode and prefill speeds.
+5. tp2: TP=2 on one GPU, two processes whose model group is gloo over CUDA tensors (the sharded
    CUDA path without a second GPU): the tiny model's decode step at batch 1 and 16.
-5. profile: benchmarks/gpu_step.py, torch.profiler's most expensive ops of a decode step.
+6. profile: benchmarks/gpu_step.py, torch.profiler's most expensive ops of a decode step.
 
 `--device cpu` runs the same parts on the CPU, small, to check the script itself. Prints a table
 and writes it as JSON to $OUT/gpu_bench.json when $OUT is set.
@@ -45,7 +48,7 @@ LOOP_VARIANTS = {  # name -> environment of the cluster's rank
     "torch's SDPA pick": {"CELERYTP_BATCH_INVARIANT": "0"},
     "eager": {"CELERYTP_COMPILE": "0"},
 }
-PART_LIMIT_S = {"loop": 75, "syncs": 60, "moe": 45, "smol": 150, "tp2": 60, "profile": 45}
+PART_LIMIT_S = {"loop": 75, "syncs": 60, "moe": 45, "invariance": 90, "smol": 150, "tp2": 60, "profile": 45}
 
 
 def main() -> int:
@@ -62,7 +65,7 @@ def main() -> int:
         return 0
     deadline = time.monotonic() + args.budget_s
     rows = []
-    for name in ("loop", "syncs", "moe", "smol", "tp2", "profile"):
+    for name in ("loop", "syncs", "moe", "smol", "invariance", "tp2", "profile"):
         jobs = [(f"loop: {variant}", ["--part", "loop", "--index", str(i)]) for i, variant in enumerate(LOOP_VARIANTS)] \
             if name == "loop" else [(name, ["--part", name])]
         if args.device == "cpu" and name == "loop":
@@ -266,6 +269,17 @@ def part_tp2_rank(args: argparse.Namespace) -> None:
     os._exit(0)  # gloo left to the interpreter's exit can abort the process
 
 
+def part_invariance(args: argparse.Namespace) -> dict:
+    """benchmarks/invariance.py on the device, once each way: whether a row's logits are the same
+    bits alone and beside 15 others, prefilled and decoded (CUDA loads say batch_invariant: false
+    until this holds there), and what invariance costs."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "invariance.py"), "--device", args.device,
+                           "--repeats", "1", "--prompt", "256", "--steps", "16"], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    keep = ("batched_equal_steps", "prefill_equal_steps", "decode_b1_tok_s", "decode_b16_tok_s", "prefill_tok_s")
+    return {name: {key: result[name][key] for key in keep} for name in ("invariant", "sdpa")}
+
+
 def part_profile(args: argparse.Namespace) -> dict:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--device", args.device,
                            "--batch", "1", "16", "--steps", "30"], capture_output=True, text=True, check=True)
@@ -273,7 +287,7 @@ def part_profile(args: argparse.Namespace) -> dict:
     return {"steps": [line for line in done.stdout.splitlines() if line.startswith(("load", "batch"))]}
 
 
-PARTS = {"loop": part_loop, "syncs": part_syncs, "moe": part_moe, "smol": part_smol, "tp2": part_tp2, "tp2_rank": part_tp2_rank,
+PARTS = {"loop": part_loop, "syncs": part_syncs, "moe": part_moe, "invariance": part_invariance, "smol": part_smol, "tp2": part_tp2, "tp2_rank": part_tp2_rank,
          "profile": part_profile}
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 attention and eager-rounded norms (CELERYTP_BATCH_INVARIANT=1, the default) against SDPA and
 inductor-fused norms (=0), in one run.
 
-Run: python benchmarks/invariance.py [--threads 1] [--repeats 3] [--prompt 512] [--steps 32]
+Run: python benchmarks/invariance.py [--threads 1] [--repeats 3] [--prompt 512] [--steps 32] [--device cpu]
 
 Each configuration loads SmolLM2-135M-Instruct Q4_1 (as it ships: compiled decode) at TP=1 in
 a fresh process, --threads intra-op threads (1: what each rank of `serve --tp 2` gets on a
@@ -44,7 +44,7 @@ def measure(args: argparse.Namespace) -> dict:
     from celerytp.models.loader import load_model
 
     torch.set_num_threads(args.threads)
-    model = load_model(default_model_path(), TPContext(), max_batch=16, max_context=1024)
+    model = load_model(default_model_path(), TPContext(), device=args.device, max_batch=16, max_context=1024)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 40000) for _ in range(64 + i)] for i in range(16)]
 
@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda (scripts/gpu_bench.sh)")
     parser.add_argument("--child", choices=("1", "0"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -115,11 +116,11 @@ def main() -> None:
         for value in runs:
             env = {**os.environ, "CELERYTP_BATCH_INVARIANT": value}
             argv = [sys.executable, __file__, "--child", value, "--threads", str(args.threads),
-                    "--prompt", str(args.prompt), "--steps", str(args.steps)]  # fmt: skip
+                    "--prompt", str(args.prompt), "--steps", str(args.steps), "--device", args.device]  # fmt: skip
             out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
             runs[value].append(json.loads(out.strip().splitlines()[-1]))
             print(value, runs[value][-1], file=sys.stderr, flush=True)
-    result = {"threads": args.threads, "repeats": args.repeats, "prompt": args.prompt}
+    result = {"threads": args.threads, "repeats": args.repeats, "prompt": args.prompt, "device": args.device}
     for value, name in (("1", "invariant"), ("0", "sdpa")):
         result[name] = {key: statistics.median(r[key] for r in runs[value]) for key in runs[value][0]}
     for key in ("decode_b1_tok_s", "decode_b16_tok_s", "prefill_tok_s"):

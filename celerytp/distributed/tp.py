@@ -21,12 +21,11 @@ from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed, checked, checked_shm
 
 log = logging.getLogger(__name__)
+
 # Tests set this on every rank to prove that the model's group carries model tensors only (the
 # two-channel rule, docs/design.md): any other tensor handed to it is refused loudly.
 STRICT_ENV = "CELERYTP_STRICT_MODEL_GROUP"
 _STRICT = os.environ.get(STRICT_ENV, "").strip() in ("1", "true", "yes")
-
-
 RANK_ORDER_GATHER_BYTES = 1 << 20  # `_all_reduce_in_rank_order`: gathered whole up to this
 
 
