@@ -55,6 +55,17 @@ _MAX_VIEWS = 256
 _FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+def fold_in_rank_order(parts: list[torch.Tensor] | torch.Tensor, out: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`out` = ((parts[0] op parts[1]) op parts[2]) ...: one order for every element, so every
+    rank, and every way of moving the parts (this segment, distributed/tp.py's gloo or NCCL path),
+    gets the same bits."""
+    fold = _FOLDS[op]
+    fold(parts[0], parts[1], out=out)
+    for r in range(2, len(parts)):
+        fold(out, parts[r], out=out)
+    return out
+
+
 class ShmFailure(dist.DistBackendError):
     """The segment's synchronisation failed (a semaphore, or the group closed under the call): the
     only failures of a shared-memory collective that say something about the group. Anything else
@@ -189,10 +200,7 @@ class ShmGroup:
         slots = self._slots_like(self._begin(), flat)
         slots[self.rank].copy_(flat)
         self._barrier()
-        fold = _FOLDS[op]
-        fold(slots[0], slots[1], out=flat)
-        for r in range(2, self.world_size):
-            fold(flat, slots[r], out=flat)
+        fold_in_rank_order(slots, flat, op)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -97,17 +97,13 @@ class TPContext:
         if tensor.nbytes <= RANK_ORDER_GATHER_BYTES:
             parts = flat.new_empty(world, flat.numel())
             _issue(lambda: checked(lambda: dist.all_gather_into_tensor(parts.view(-1), flat, group=self.group)))
-            torch.add(parts[0], parts[1], out=flat)
-            for r in range(2, world):
-                torch.add(flat, parts[r], out=flat)
+            shm.fold_in_rank_order(parts, flat)
             return
         chunk = -(-flat.numel() // world)
         sent = F.pad(flat, (0, chunk * world - flat.numel()))
         taken = sent.new_empty(world, chunk)  # every rank's chunk `rank`
         _issue(lambda: checked(lambda: dist.all_to_all_single(taken.view(-1), sent, group=self.group)))
-        mine = torch.add(taken[0], taken[1])
-        for r in range(2, world):
-            torch.add(mine, taken[r], out=mine)
+        mine = shm.fold_in_rank_order(taken, taken.new_empty(chunk))
         _issue(lambda: checked(lambda: dist.all_gather_into_tensor(sent, mine, group=self.group)))
         flat.copy_(sent[: flat.numel()])
 
