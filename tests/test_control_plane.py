@@ -189,17 +189,35 @@ def test_redis_refusing_rank_0_fails_every_rank_at_once(strict, tiny):
 
 
 def test_a_broken_group_is_reported_and_healed_while_every_process_lives(strict, tiny):
-    """A rank whose group broke says so (group_broken in ping, the broken key); the next op heals."""
+    """A rank whose group broke says so (group_broken in ping, the broken key); the next op heals.
+    Every rank kept its process, so every rank keeps its weights through the heal; once the model's
+    file changed, the next heal reads it again. The tokens are the unbroken group's either way."""
     vocab, path = tiny
     leader = strict.leader
     leader.load("heal", path, idle_s=0.2)
-    before = leader.ping()[0].comm_id
-    assert leader.redis.get(comm_key(strict.group)).decode() == before
-    leader.redis.set(broken_key(strict.group), before)  # as a rank writes it when a collective fails
-    result = leader.submit("heal", {"request_id": "h1", "prompt": make_prompt(vocab, 4), "max_tokens": 4}).result(120)
-    assert len(result.token_ids) == 4
-    pongs = leader.ping()
-    assert pongs[0].comm_id != before and all("heal" in p.models for p in pongs)
+    ask = {"prompt": make_prompt(vocab, 4), "max_tokens": 4}  # greedy (the default)
+    reference = leader.submit("heal", {"request_id": "h0", **ask}).result(60).token_ids
+
+    def break_and_heal(request_id: str) -> None:
+        before = leader.ping()[0].comm_id
+        assert leader.redis.get(comm_key(strict.group)).decode() == before
+        leader.redis.set(broken_key(strict.group), before)  # as a rank writes it when a collective fails
+        result = leader.submit("heal", {"request_id": request_id, **ask}).result(120)
+        assert result.token_ids == reference
+        pongs = leader.ping()
+        assert pongs[0].comm_id != before and all("heal" in p.models for p in pongs)
+
+    def kept() -> list[int]:
+        return [strict.log(rank).count("model heal: kept its weights") for rank in range(2)]
+
+    was = kept()
+    break_and_heal("h1")
+    assert kept() == [n + 1 for n in was]
+    weights = path / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000_000))
+    break_and_heal("h2")
+    assert kept() == [n + 1 for n in was]  # read again: the file is not the one the shards came from
+    assert all(strict.log(rank).count("model heal changed since this rank loaded it") == 1 for rank in range(2))
     leader.unload("heal")
 
 

@@ -59,10 +59,17 @@ def test_a_request_resumes_exactly_once_after_a_rank_is_killed_mid_generation(re
     leader = cluster.leader
     reference = leader.generate("smol", **LONG)
     restarts = cluster.restarts[victim]
+    survivor = 1 - victim
+    kept, survivors_restarts = cluster.log(survivor).count("model smol: kept its weights"), cluster.restarts[survivor]
     text, token_ids, took = _stream_with_fault(leader, lambda: os.killpg(cluster.workers[victim].pid, signal.SIGKILL))
     assert text == reference.text and token_ids == reference.token_ids
     assert took < RESUME_S, took
     assert cluster.restarts[victim] == restarts + 1
+    # The survivor's collective failed (its shared-memory wait aborted by the deadman, or gloo's
+    # socket closed): it kept its process, and its shards through the heal, where its compiled
+    # decode warmed up again in the new group
+    assert cluster.restarts[survivor] == survivors_restarts
+    assert cluster.log(survivor).count("model smol: kept its weights") == kept + 1
 
 
 def test_a_stuck_rank_is_replaced_and_its_requests_resume(rel):

@@ -80,7 +80,7 @@ class GroupDriver(Protocol):
 
     def _call(self, op: str, fields: dict[str, Any] | None, timeout: float) -> list[Any]: ...
 
-    def _load(self, model_id: str, fields: dict[str, Any]) -> list[Any]: ...
+    def _load(self, model_id: str, fields: dict[str, Any], keep: bool = False) -> list[Any]: ...
 
     def _live_owners(self, op: str) -> list[bytes | None]: ...
 
@@ -152,7 +152,8 @@ class Healer:
 
         Waits up to `timeout` (default: recovery_timeout) for the supervisors to restart lost
         ranks. The models and their load settings come from the Redis registry and from what
-        the surviving ranks report. Ops queued for the broken group are dropped. One leader
+        the surviving ranks report; a rank that still holds a model keeps its weights. Ops queued
+        for the broken group are dropped. One leader
         heals at a time; the others wait for it.
         """
         deadline = time.monotonic() + (self.leader.recovery_timeout if timeout is None else timeout)
@@ -200,14 +201,11 @@ class Healer:
             if not regroup and model_id not in stale:
                 continue
             self.leader.redis.delete(loop_key(self.leader.group, model_id))
-            if any(model_id in pong.models for pong in pongs):
-                try:
-                    self.leader._call("unload", {"model_id": model_id}, HEAL_WAIT_S)
-                except CeleryTPError as exc:
-                    if exc.kinds != {ErrorKind.MODEL_NOT_LOADED}:
-                        raise
             try:
-                self.leader._load(model_id, record["load"])
+                # The ranks that still hold it, with these settings, keep their shards (worker/model_ops.py).
+                replies = self.leader._load(model_id, record["load"], keep=True)
+                log.info("group %s: model %s loaded again; ranks %s kept their weights", self.leader.group, model_id,
+                         [reply.rank for reply in replies if reply.kept])
                 self.leader.redis.hdel(loop_failures_key(model_id), self.leader.group)  # healed: its loops start afresh
             except CeleryTPError as exc:
                 if not exc.kinds <= MODEL_FAULTS:

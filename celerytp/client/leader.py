@@ -171,10 +171,12 @@ class Leader:
         self._ensure_group()
         return self._load(model_id, fields, progress, timeout)
 
-    def _load(self, model_id: str, fields: dict[str, Any], progress: bool = False, timeout: float = 1800.0) -> list:
-        """Load with `fields` (core.registry.LOAD_FIELDS) and record the model (no healing first)."""
+    def _load(self, model_id: str, fields: dict[str, Any], progress: bool = False, timeout: float = 1800.0,
+              keep: bool = False) -> list:
+        """Load with `fields` (core.registry.LOAD_FIELDS) and record the model (no healing first).
+        `keep`: ranks that hold it so loaded keep their shards (a heal)."""
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
-            replies = self._call("load", {"model_id": model_id, **fields}, timeout, bar.update)
+            replies = self._call("load", {"model_id": model_id, **fields, **({"keep": True} if keep else {})}, timeout, bar.update)
         first = replies[0]
         record = model_record(
             fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,

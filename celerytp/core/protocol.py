@@ -85,6 +85,9 @@ class LoadRequest(Request):
     # one read of a model file (a tensor slice, a header, a small file) may take this long, or the
     # load fails (core/read_deadline.py)
     read_deadline_s: Annotated[float, Field(gt=0, le=3600)] = DEFAULT_READ_DEADLINE_S
+    # A heal's reload (client/healer.py): a rank that holds this model, loaded with these same
+    # settings from files unchanged since, keeps its shards instead of reading them again
+    keep: bool = False
 
 
 class StepRequest(Request):
@@ -209,6 +212,7 @@ class Loaded(Reply):
     kv_cache_bytes: int
     rss_bytes: int
     load_s: float
+    kept: bool = False  # this rank kept the shards it held (a `keep` load) instead of reading them
 
 
 class StepResult(Reply):

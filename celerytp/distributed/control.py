@@ -117,6 +117,12 @@ class ControlGroup:
         self.broadcast(buffer, src)
         return buffer.numpy().tobytes()
 
+    def wait_for_all(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for every rank to arrive here, past the group's own timeout (a
+        rank that kept its weights waits out one that reads them). A lost peer fails it at once."""
+        if self.world_size > 1:
+            checked(lambda: dist.monitored_barrier(self.group, timedelta(seconds=timeout_s), wait_all_ranks=True))
+
     def agree(self, failure: CeleryTPError | None) -> None:
         """Every rank reports whether its local work failed; when any did, raise on every rank.
 

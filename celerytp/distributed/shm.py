@@ -138,6 +138,7 @@ class ShmGroup:
         ]
         self._peers = [p for p in range(world_size) if p != rank]
         self._step = 0
+        self._aborted: str | None = None  # why this rank's waits fail from now on (`abort`)
         self._views: dict[tuple[int, int, torch.dtype, bool], list[torch.Tensor]] = {}  # see `_slots_like`
 
     # ---- setup and teardown -------------------------------------------------------------
@@ -189,6 +190,16 @@ class ShmGroup:
         except BufferError:  # a caller still holds a view; the mapping goes with the last reference
             log.warning("shared-memory segment still referenced; left to the garbage collector")
 
+    def abort(self, why: str) -> None:
+        """Fail this rank's waits from now on, the one in progress included, instead of waiting
+        out the deadline: a peer is gone (worker/watchdog.py, from its own thread). The group is
+        broken after this, and re-forms with a new segment."""
+        inboxes = self._inbox[self.rank] if self._inbox else []
+        self._aborted = why
+        for p in self._peers:  # wakes a wait in progress; later ones fail before they wait
+            if inboxes:
+                _libc.sem_post(inboxes[p])
+
     # ---- collectives ----------------------------------------------------------------------
 
     def fits(self, tensor: torch.Tensor) -> bool:
@@ -228,6 +239,7 @@ class ShmGroup:
     def _begin(self) -> int:
         if not self._slots:
             raise ShmFailure("shared-memory group is closed")
+        self._check_aborted()
         s = self._step & 1
         self._step += 1
         return s
@@ -253,6 +265,11 @@ class ShmGroup:
                 raise ShmFailure(f"sem_post failed: {os.strerror(ctypes.get_errno())}")
         for p in self._peers:
             self._wait(self._inbox[self.rank][p], p)
+        self._check_aborted()  # woken by `abort`, not by the peer: its slot means nothing
+
+    def _check_aborted(self) -> None:
+        if self._aborted is not None:
+            raise ShmFailure(f"shared-memory collective aborted: {self._aborted}")
 
     def _wait(self, sem: int, peer: int) -> None:
         if _libc.sem_trywait(sem) == 0:

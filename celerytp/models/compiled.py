@@ -129,23 +129,44 @@ def compile_decode(model: CausalLM, progress: Callable[[str], None] | None = Non
         for cache in model.kv_caches():
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
-    widths = sorted({min(bucket(w), model.max_batch) for w in range(1, model.max_batch + 1)}) if graphs else (1, 2)
-    # Warm-up rows sit a few positions in: a graph traced with 1 key would hold for 1 key only.
-    position = min(WARM_UP_POSITION, model.max_context - 1)
     started = time.monotonic()
     try:
-        for width in widths:  # without graphs a width of 1 is its own graph; 2 stands for every other width
-            if progress is not None:
-                progress(f"compiling decode (batch width {width}; the first start on a machine takes longest)")
-            model.cache_lens[:width] = [position] * width
-            model.decode([0] * width, [True] * width)
+        _warm_up(model, progress, "compiling decode (batch width {}; the first start on a machine takes longest)")
     except Exception as exc:  # noqa: BLE001 - any compiler failure: run eagerly, as without the switch
         log.warning("%s: compiling decode failed, decoding eagerly: %s: %s", COMPILE_ENV, type(exc).__name__, exc)
         decoder.decode_runs = None
         model.decode_buckets, model.decode_masked = eager_buckets, False
         return False
-    finally:
-        model.clear_cache()
     log.info("compiled decode in %.1f s (%d runs of layers, mode=%s, options=%s, cache %s)",
              time.monotonic() - started, len(runs), mode, options, os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return True
+
+
+def _warm_up(model: CausalLM, progress: Callable[[str], None] | None, stage: str) -> None:
+    """Decode steps of every width that has a graph of its own: every width bucket with CUDA
+    graphs; else widths 1 and 2 (torch gives a width of 1 its own graph; 2 stands for the rest)."""
+    graphs = model.device.type == "cuda"
+    widths = sorted({min(bucket(w), model.max_batch) for w in range(1, model.max_batch + 1)}) if graphs else (1, 2)
+    # Warm-up rows sit a few positions in: a graph traced with 1 key would hold for 1 key only.
+    position = min(WARM_UP_POSITION, model.max_context - 1)
+    try:
+        for width in widths:
+            if progress is not None:
+                progress(stage.format(width))
+            model.cache_lens[:width] = [position] * width
+            model.decode([0] * width, [True] * width)
+    finally:
+        model.clear_cache()
+
+
+def rejoin_decode(model: CausalLM, progress: Callable[[str], None] | None = None) -> None:
+    """Ready the decode of a model this rank kept for a new group (a heal): it runs the model
+    collectives that a rank loading the model afresh runs in `prepare_decode`, so that they meet.
+    CUDA graphs recorded the old communicator's collectives, so there decode is compiled again;
+    elsewhere the compiled graphs stay, and only their warm-up steps run again."""
+    if getattr(model.model, "decode_runs", None) is None:
+        return  # eager: a fresh load's prepare_decode runs no collective either
+    if model.device.type == "cuda":
+        compile_decode(model, progress)
+    else:
+        _warm_up(model, progress, "warming up decode in the new group (batch width {})")

@@ -39,6 +39,7 @@ def handle(state: RankState, op: str, data: Any) -> dict:
     request, handler = None, HANDLERS[op]
     try:
         request = p.parse_request(data, expected_op=op)
+        state.ops_started += 1
         state.in_collective_op = handler.collective
         state.check_order(request, handler.collective)
         reply = handler.run(state, request)

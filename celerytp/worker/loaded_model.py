@@ -26,6 +26,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None = None  # rank 0: read and checked at load (stop strings); None: ids only
     memory: dict[str, int] = field(default_factory=dict)  # bytes: "weights" and "kv_cache" (worker/memory.py)
     images: ImageFeatures | None = None  # a vision-language model's image encoder (every rank)
+    source: list[list] = field(default_factory=list)  # its files when read (model_ops.source_stamp)
 
     def reset_sequence(self) -> None:
         """Forget step mode's sequence; the served rows are not touched."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from celerytp.core.sampling import SamplingParams
 from celerytp.core.tokenizer import Tokenizer, load_tokenizer
 from celerytp.core.validation import bad_request, check_logit_bias, check_tokens, refuse_step_penalties, sampling_params
 from celerytp.models import CausalLM, load_model
+from celerytp.models.compiled import rejoin_decode
 from celerytp.models.half_precision import check_half_precision
 from celerytp.models.loader import prepare_decode
 from celerytp.quant.plan import quant_summary
@@ -156,59 +159,52 @@ def _agree_on_context(state: RankState, model: CausalLM) -> None:
         model.resize_context(least)
 
 
+READY_WAIT_S = 1800.0  # ranks wait this long for each other's shards before committing a load (the leader's own limit)
+
+
 def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
-    if request.model_id in state.models:
-        raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
-    dtype_name = request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
     started = time.monotonic()
-    model, tokenizer, images, failure = None, None, None, None
     progress = ProgressReporter(state, request.model_id)
-    try:
-        path = confine(request.path, state.config.model_roots)
-        mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
-        check_half_precision(DTYPES[dtype_name], state.device)
-        with read_deadline(request.read_deadline_s), mapped_weights():
-            if state.rank == 0:  # the rank that detokenizes: a model is loaded only if it can serve
-                tokenizer = serving_tokenizer(path)
-            model = load_model(
-                path, state.tp, dtype=DTYPES[dtype_name], device=state.device,
-                max_context=request.max_context, max_batch=request.max_batch,
-                progress=progress,
-                quant=request.quant, kv_cache_bytes=request.kv_cache_bytes, kv_memory_fraction=request.kv_memory_fraction,
-                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False, mmproj=mmproj,
-            )
-            images = image_features(path, model, mmproj)
-    except Exception as exc:  # noqa: BLE001 - a broken file must not take the worker down
-        failure = _load_failure(request, exc)
+    entry = _kept(state, request)
+    kept = entry is not None
+    if kept:  # a heal: the shards are here already, this rank meets the others' collectives
+        entry.forget_all()  # the broken group's requests resume by a prefill of their tokens
+        failure, ready = None, partial(rejoin_decode, entry.model, progress.stage)
+    else:
+        entry, failure = _read(state, request, progress)
+        ready = partial(_prepare, entry.model if entry else None, progress.stage)
     # All ranks or none: every rank read its shard before any compiles decode (its warm-up runs
     # collectives a rank that failed would never meet), and every rank is ready before any commits.
     try:
+        state.collective(lambda: state.control.wait_for_all(READY_WAIT_S))
         _agree(state, failure)
-        _agree_on_context(state, model)  # a collective: its failure is the group's, not this load's
+        _agree_on_context(state, entry.model)  # a collective: its failure is the group's, not this load's
         try:
-            with mapped_weights():
-                prepare_decode(model, progress.stage)
+            ready()
         except Exception as exc:  # noqa: BLE001
             failure = _load_failure(request, exc)
         _agree(state, failure)
     except CeleryTPError:
-        del model
+        state.models.pop(request.model_id, None)  # a kept model too: a load leaves every rank or none holding it
+        del entry, ready
         release_memory()
         raise
     finally:
         state.redis.delete(load_progress_key(state.config.group, request.model_id))
+    if kept:
+        log.info("model %s: kept its weights in the new group %s (not read again)", request.model_id, state.comm_id)
+    model = entry.model
     config = model.config
     decode = "compiled" if getattr(model.model, "decode_runs", None) else "eager"
-    record = model_record(
+    dtype_name = _dtype_name(state, request)
+    entry.record = model_record(
         request.model_dump(include=set(LOAD_FIELDS)), dtype=dtype_name, model_type=config.model_type,
         vocab_size=config.vocab_size, max_context=model.max_context, max_batch=model.max_batch, decode=decode,
         batch_invariant=model.batch_invariant, attention=model.attention,
     )
     memory = model.memory_report()
-    state.models[request.model_id] = LoadedModel(
-        model, str(path), record, request.prefill_budget, request.idle_s, tokenizer=tokenizer, images=images,
-        memory={"weights": memory["sharded_bytes"] + memory["replicated_bytes"], "kv_cache": memory["kv_cache_bytes"]},
-    )
+    entry.memory = {"weights": memory["sharded_bytes"] + memory["replicated_bytes"], "kv_cache": memory["kv_cache_bytes"]}
+    state.models[request.model_id] = entry
     release_memory()  # dequantization temporaries: give the heap back before reporting RSS
     quant_types, fallbacks = quant_summary(model)
     return p.Loaded(
@@ -219,7 +215,73 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         prefill_budget=request.prefill_budget, idle_s=request.idle_s, num_layers=config.num_layers,
         sharded_bytes=memory["sharded_bytes"], replicated_bytes=memory["replicated_bytes"],
         kv_cache_bytes=memory["kv_cache_bytes"], rss_bytes=rss_bytes(), load_s=round(time.monotonic() - started, 3),
+        kept=kept,
     )
+
+
+def _dtype_name(state: RankState, request: p.LoadRequest) -> str:
+    return request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
+
+
+def _read(state: RankState, request: p.LoadRequest, progress: ProgressReporter) -> tuple[LoadedModel | None, CeleryTPError | None]:
+    """This rank's shard read from the files, or the failure that kept it from being read."""
+    dtype = DTYPES[_dtype_name(state, request)]
+    try:
+        path = confine(request.path, state.config.model_roots)
+        mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
+        check_half_precision(dtype, state.device)
+        with read_deadline(request.read_deadline_s), mapped_weights():
+            # rank 0 detokenizes: a model is loaded only if it can serve
+            tokenizer = serving_tokenizer(path) if state.rank == 0 else None
+            model = load_model(
+                path, state.tp, dtype=dtype, device=state.device,
+                max_context=request.max_context, max_batch=request.max_batch,
+                progress=progress,
+                quant=request.quant, kv_cache_bytes=request.kv_cache_bytes, kv_memory_fraction=request.kv_memory_fraction,
+                kv_dtype=DTYPES[request.kv_dtype] if request.kv_dtype else None, prepare=False, mmproj=mmproj,
+            )
+            images = image_features(path, model, mmproj)
+        entry = LoadedModel(model, str(path), prefill_budget=request.prefill_budget, idle_s=request.idle_s,
+                            tokenizer=tokenizer, images=images, source=source_stamp(path, mmproj))
+        return entry, None
+    except Exception as exc:  # noqa: BLE001 - a broken file must not take the worker down
+        return None, _load_failure(request, exc)
+
+
+def _prepare(model: CausalLM | None, progress: Callable[[str], None]) -> None:
+    with mapped_weights():
+        prepare_decode(model, progress)
+
+
+def _kept(state: RankState, request: p.LoadRequest) -> LoadedModel | None:
+    """The model this rank holds under the request's id, when a `keep` load may keep it: loaded
+    with the same settings, from files unchanged since. A held model that differs is dropped
+    (read again); a plain load of a held model is refused."""
+    entry = state.models.get(request.model_id)
+    if entry is None:
+        return None
+    if not request.keep:
+        raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
+    try:
+        path = confine(request.path, state.config.model_roots)
+        mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
+        same = entry.record.get("load") == request.model_dump(include=set(LOAD_FIELDS)) and entry.source == source_stamp(path, mmproj)
+    except (CeleryTPError, OSError):
+        same = False  # read afresh: that load reports what is wrong
+    if same:
+        return entry
+    log.warning("model %s changed since this rank loaded it (its settings or files): reading it again", request.model_id)
+    del state.models[request.model_id], entry
+    release_memory()
+    return None
+
+
+def source_stamp(path: Path, mmproj: Path | None) -> list[list]:
+    """Each file a load reads (a directory's entries), with its size and modification time: a
+    kept shard is only as good as the files it was read from."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    files += [mmproj] if mmproj is not None else []
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
 def _check_step(entry: LoadedModel, request: p.StepRequest) -> SamplingParams:

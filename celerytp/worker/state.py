@@ -64,6 +64,7 @@ class RankState:
         self.last_seq = 0
         self.members: list[bytes | None] = []  # each rank's heartbeat value when the group formed
         self.in_collective_op = False  # the watchdog's cue (worker/watchdog.py)
+        self.ops_started = 0  # tells the watchdog one op from the next
         self.stop_requested = False  # set on SIGTERM/SIGINT: the worker's stop is not a failure
         self.tp = TPContext(config.rank, config.world_size)  # the model's group: model tensors only
         self.control = ControlGroup(config.rank, config.world_size, None, None)  # everything else
@@ -97,7 +98,9 @@ class RankState:
         self.last_seq = request.seq
         if collective:
             self.require_group()
-            self.agree_on_op(request.seq, getattr(request, "model_id", None))
+            # a heal's `keep` load is sent to ranks that hold the model and to ranks that lost it
+            held = None if getattr(request, "keep", False) else getattr(request, "model_id", None)
+            self.agree_on_op(request.seq, held)
 
     def agree_on_op(self, seq: int, model_id: str | None) -> None:
         """Every rank's k-th collective op must be the same op on the same models; check before its work.

@@ -1,24 +1,33 @@
-"""The deadman: a rank inside a collective op whose peer's worker is gone leaves the process.
+"""The deadman: a rank inside a collective op whose peer's worker is gone fails the op, or
+leaves the process.
 
 A gloo or NCCL collective whose peer was SIGKILLed usually fails at once (its connection
 closes), but a peer that is stuck (SIGSTOP, a hung driver) leaves every other rank blocked
-until the process group's timeout, and a blocked collective cannot be interrupted from Python.
-So while this rank runs a collective op, a thread watches the peers' heartbeat keys; when one
-is gone or replaced, this worker exits with exits.PEER_LOST and its supervisor starts it
-clean. The leader meanwhile names the lost rank (client/leader.py) and re-forms the group once
-every rank is live again.
+until the process group's timeout, and a blocked gloo or NCCL collective cannot be interrupted
+from Python. Nor does a killed peer close anything under the shared-memory path: its waits sleep
+until their deadline. So while this rank runs a collective op, a thread watches the peers'
+heartbeat keys. When one is gone or replaced, a CPU rank first aborts the shared-memory waits
+(distributed/shm.py `abort`): an op waiting there fails at once, the group is marked broken, and
+the worker keeps its process and its weights (a heal keeps them: worker/model_ops.py). A CUDA
+rank does not: NCCL kernels queued behind the lost peer would never finish. An op still running
+ABORT_GRACE_S later (or on CUDA) is blocked in the backend: this worker exits with
+exits.PEER_LOST and its supervisor starts it clean. The leader meanwhile names the lost rank
+(client/leader.py) and re-forms the group once every rank is live again.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from celerytp.core.liveness import HeartbeatTiming, RankWatch
+from celerytp.distributed import shm
 from celerytp.worker import exits
 from celerytp.worker.state import RankState
 
 log = logging.getLogger(__name__)
+ABORT_GRACE_S = 3.0  # an op the shared-memory abort did not end by then is blocked in gloo or NCCL
 
 
 class PeerWatchdog:
@@ -44,5 +53,22 @@ class PeerWatchdog:
             lost = self._watch.lost(peers)
             if lost and state.in_collective_op:
                 why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(lost.items()))
+                if self._abort_op(why):
+                    continue
                 self._on_exit()
                 exits.exit_now(exits.PEER_LOST, f"a peer of this collective op is gone ({why})")
+
+    def _abort_op(self, why: str) -> bool:
+        """Fail the op in progress through its shared-memory waits; whether it ended in time."""
+        state, fast = self._state, shm.active()
+        if fast is None or state.device.type == "cuda":
+            return False  # on CUDA the op's NCCL kernels may be queued behind the lost peer for good
+        op = state.ops_started
+        fast.abort(why)
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while state.in_collective_op and state.ops_started == op:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        log.warning("a peer of this collective op is gone (%s): the op failed, this worker goes on", why)
+        return True
