@@ -5,8 +5,10 @@ Run: bash scripts/gpu_check.sh   (or python benchmarks/gpu_check.py [--device cp
 Starts a LocalCluster with N = min(--tp, CUDA devices) ranks, `device="auto"` so rank r takes
 cuda:r, which makes the model group NCCL and the control group gloo. Checks: init (backend
 nccl), the sanity check on both channels, loading the default SmolLM2 GGUF (or --model), 4
-concurrent generations (one batch), a stream, a cancel mid-stream (the row frees), a SIGKILL of
-the last rank followed by a request that succeeds once the group healed. Exit 0 when every check
+concurrent generations (one batch), a stream, a cancel mid-stream (the row frees), a group
+broken while every process lives (healed with every rank keeping its weights; on CUDA its decode
+graphs are recorded again), a SIGKILL of the last rank followed by a request that succeeds once
+the group healed. Exit 0 when every check
 passes, 1 when one fails, 2 when there is no CUDA device (unless `--device cpu`, a smoke run of
 the same logic on gloo), 3 when the model cannot be found.
 """
@@ -23,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SHORT = dict(prompt="The capital of France is", max_tokens=12, temperature=0)
-CHECKS = 8  # rows of a full run: start and the seven checks
+CHECKS = 9  # rows of a full run: start and the eight checks
 HEAL_DEADLINE_S = 180.0
 ROW_FREE_DEADLINE_S = 5.0
 
@@ -127,6 +129,18 @@ def run_checks(cluster, args: argparse.Namespace, model_path: str | None, check:
         return (f"cancelled after {stream.result.completion_tokens} tokens, row free "
                 f"{time.monotonic() - cancelled:.2f} s after the cancel")
 
+    def kept_weights() -> str:
+        from celerytp.core.keys import broken_key
+
+        kept = [cluster.log(r).count("model smol: kept its weights") for r in range(args.tp)]
+        started = time.monotonic()
+        leader.redis.set(broken_key(cluster.group), leader.ping()[0].comm_id)  # as a rank reports a failed collective
+        tokens = leader.generate("smol", **SHORT).token_ids
+        assert tokens == lone, "after the heal, greedy tokens differ from before"
+        now = [cluster.log(r).count("model smol: kept its weights") for r in range(args.tp)]
+        assert all(b == a + 1 for a, b in zip(kept, now, strict=True)), f"a rank read its weights again: {kept} -> {now}"
+        return f"every rank kept its weights; served again {time.monotonic() - started:.1f} s later"
+
     def rank_kill() -> str:
         rank = args.tp - 1
         killed = time.monotonic()
@@ -142,7 +156,8 @@ def run_checks(cluster, args: argparse.Namespace, model_path: str | None, check:
                 time.sleep(0.2)
 
     for name, fn in [("init", init), ("sanity_check", sanity), ("load model", load), ("generate x4 batched", batched),
-                     ("stream", stream), ("cancel mid-stream", cancel), ("SIGKILL a rank, heal, serve", rank_kill)]:
+                     ("stream", stream), ("cancel mid-stream", cancel),
+                     ("group broken, heal keeping weights, serve", kept_weights), ("SIGKILL a rank, heal, serve", rank_kill)]:
         if not check(name, fn) and name in ("init", "load model"):
             break
 

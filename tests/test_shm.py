@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -153,6 +154,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, scenario: str, out_di
             if rank == world_size - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             _expect_timeout(rank, group, timeout_s, out)
+        elif scenario == "abort":
+            _expect_abort(rank, group)
+            out.write_text("ok")
     except BaseException:
         out.write_text(traceback.format_exc())
         raise
@@ -181,6 +185,23 @@ def _expect_timeout(rank: int, group: shm.ShmGroup, timeout_s: float, out: Path)
         out.write_text("ok")
         os._exit(0)  # skip destroy_process_group: its peer is dead
     raise AssertionError("all-reduce with a dead peer returned")
+
+
+def _expect_abort(rank: int, group: shm.ShmGroup) -> None:
+    """Rank 0 aborts the segment from another thread (as its deadman does when a peer is gone)
+    while it and rank 1 wait in an all-reduce that the last rank, busy or stopped, has not
+    reached: both waits fail at once, not at the 60 s deadline, and the last rank's all-reduce
+    fails when it comes, before it waits."""
+    last = group.world_size - 1
+    if rank == 0:
+        threading.Timer(0.5, group.abort, ("rank 2: its worker was replaced",)).start()
+    if rank == last:
+        time.sleep(2.0)
+    start = time.monotonic()
+    with pytest.raises(shm.ShmFailure, match="aborted by rank 0") as info:
+        group.all_reduce(torch.ones(4))
+    assert time.monotonic() - start < (0.1 if rank == last else 10), f"failed after {time.monotonic() - start:.2f}s"
+    assert rank != 0 or "replaced" in str(info.value)
 
 
 def _run(world_size: int, scenario: str, tmp_path: Path, expect_ok: list[int], timeout: float = 120) -> None:
@@ -223,6 +244,10 @@ def test_a_rows_sum_is_the_same_bits_through_gloo_and_the_segment(world_size: in
 
 def test_dead_peer_raises_the_timeout_within_the_deadline(tmp_path: Path) -> None:
     _run(3, "dead_peer", tmp_path, [0, 1], timeout=60)
+
+
+def test_an_abort_fails_every_ranks_waits_at_once(tmp_path: Path) -> None:
+    _run(3, "abort", tmp_path, [0, 1, 2], timeout=60)
 
 
 def test_switch_and_segment_names() -> None:

@@ -20,7 +20,9 @@ wake-ups; through one shared segment it costs a few tens of microseconds. Design
 - Waiting: sem_trywait with sched_yield for a short spin (ranks arrive together during decode),
   then a futex sleep in sem_clockwait until the group's deadline, which raises the same kind of
   error as gloo's timeout ("Timed out waiting ...", a DistBackendError), so a dead peer is reported,
-  never waited on forever.
+  never waited on forever. Sooner than that, a rank that learns its peer is gone (the deadman,
+  worker/watchdog.py) aborts the segment: it marks the header and posts every semaphore, so each
+  rank's waits, in progress or later, fail at once, a rank stopped meanwhile when it wakes.
 
 The switch: CELERYTP_SHM=0 keeps every collective on gloo; CELERYTP_SHM_MAX_BYTES sets the
 largest tensor that goes through the segment (default 1 MiB; larger ones, e.g. prefill, use gloo).
@@ -35,6 +37,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 import time
 
 import torch
@@ -138,7 +141,10 @@ class ShmGroup:
         ]
         self._peers = [p for p in range(world_size) if p != rank]
         self._step = 0
-        self._aborted: str | None = None  # why this rank's waits fail from now on (`abort`)
+        # `abort`: the rank that aborted the group, plus one (0: none), in the header after the nonce
+        self._aborted_by = ctypes.c_int64.from_address(base + 16)
+        self._why = "it lost a peer"
+        self._closing = threading.Lock()  # `abort` runs on another thread: never on an unmapped segment
         self._views: dict[tuple[int, int, torch.dtype, bool], list[torch.Tensor]] = {}  # see `_slots_like`
 
     # ---- setup and teardown -------------------------------------------------------------
@@ -184,21 +190,27 @@ class ShmGroup:
 
     def close(self) -> None:
         """Unmap the segment (the file itself was unlinked at setup)."""
-        self._slots, self._views, self._bytes, self._raw, self._inbox = [], {}, None, None, []
+        with self._closing:
+            self._slots, self._views, self._bytes, self._raw, self._inbox = [], {}, None, None, []
+            self._aborted_by = ctypes.c_int64(0)  # its address dies with the mapping
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the mapping goes with the last reference
             log.warning("shared-memory segment still referenced; left to the garbage collector")
 
     def abort(self, why: str) -> None:
-        """Fail this rank's waits from now on, the one in progress included, instead of waiting
-        out the deadline: a peer is gone (worker/watchdog.py, from its own thread). The group is
-        broken after this, and re-forms with a new segment."""
-        inboxes = self._inbox[self.rank] if self._inbox else []
-        self._aborted = why
-        for p in self._peers:  # wakes a wait in progress; later ones fail before they wait
-            if inboxes:
-                _libc.sem_post(inboxes[p])
+        """Fail every rank's waits in this segment from now on, those in progress included,
+        instead of waiting out their deadline: a peer is gone (worker/watchdog.py, from its own
+        thread). A rank that was stopped meets the mark when it wakes. The group is broken on
+        every rank after this, and re-forms with a new segment."""
+        with self._closing:
+            if not self._inbox:
+                return  # closed: this epoch is over already
+            self._why = why
+            self._aborted_by.value = self.rank + 1  # written before the posts that make it visible
+            for inbox in self._inbox:  # every rank's every wait wakes; later ones fail before they wait
+                for sem in inbox:
+                    _libc.sem_post(sem)
 
     # ---- collectives ----------------------------------------------------------------------
 
@@ -268,8 +280,8 @@ class ShmGroup:
         self._check_aborted()  # woken by `abort`, not by the peer: its slot means nothing
 
     def _check_aborted(self) -> None:
-        if self._aborted is not None:
-            raise ShmFailure(f"shared-memory collective aborted: {self._aborted}")
+        if by := self._aborted_by.value:
+            raise ShmFailure(f"shared-memory collective aborted by rank {by - 1}: {self._why}")
 
     def _wait(self, sem: int, peer: int) -> None:
         if _libc.sem_trywait(sem) == 0:
