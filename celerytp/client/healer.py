@@ -153,8 +153,7 @@ class Healer:
         Waits up to `timeout` (default: recovery_timeout) for the supervisors to restart lost
         ranks. The models and their load settings come from the Redis registry and from what
         the surviving ranks report; a rank that still holds a model keeps its weights. Ops queued
-        for the broken group are dropped. One leader
-        heals at a time; the others wait for it.
+        for the broken group are dropped. One leader heals at a time; the others wait for it.
         """
         deadline = time.monotonic() + (self.leader.recovery_timeout if timeout is None else timeout)
         # No live worker at all for a heartbeat's lifetime: nobody is restarting them, fail now.

@@ -176,7 +176,8 @@ class Leader:
         """Load with `fields` (core.registry.LOAD_FIELDS) and record the model (no healing first).
         `keep`: ranks that hold it so loaded keep their shards (a heal)."""
         with LoadProgress(self.redis, self.group, model_id, self.world_size, enabled=progress) as bar:
-            replies = self._call("load", {"model_id": model_id, **fields, **({"keep": True} if keep else {})}, timeout, bar.update)
+            request = {"model_id": model_id, **fields, **({"keep": True} if keep else {})}
+            replies = self._call("load", request, timeout, bar.update)
         first = replies[0]
         record = model_record(
             fields, dtype=first.dtype, model_type=first.model_type, vocab_size=first.vocab_size,

@@ -223,7 +223,9 @@ def _dtype_name(state: RankState, request: p.LoadRequest) -> str:
     return request.dtype or ("bfloat16" if state.device.type == "cuda" else "float32")
 
 
-def _read(state: RankState, request: p.LoadRequest, progress: ProgressReporter) -> tuple[LoadedModel | None, CeleryTPError | None]:
+def _read(
+    state: RankState, request: p.LoadRequest, progress: ProgressReporter,
+) -> tuple[LoadedModel | None, CeleryTPError | None]:
     """This rank's shard read from the files, or the failure that kept it from being read."""
     dtype = DTYPES[_dtype_name(state, request)]
     try:
@@ -265,7 +267,8 @@ def _kept(state: RankState, request: p.LoadRequest) -> LoadedModel | None:
     try:
         path = confine(request.path, state.config.model_roots)
         mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
-        same = entry.record.get("load") == request.model_dump(include=set(LOAD_FIELDS)) and entry.source == source_stamp(path, mmproj)
+        same = (entry.record.get("load") == request.model_dump(include=set(LOAD_FIELDS))
+                and entry.source == source_stamp(path, mmproj))
     except (CeleryTPError, OSError):
         same = False  # read afresh: that load reports what is wrong
     if same:
