@@ -77,9 +77,13 @@ def test_a_stuck_rank_is_replaced_and_its_requests_resume(rel):
     leader = cluster.leader
     reference = leader.generate("smol", **LONG)
     stuck = psutil.Process(cluster.workers[1].pid)
+    kept, restarts = cluster.log(0).count("model smol: kept its weights"), cluster.restarts[0]
     text, token_ids, took = _stream_with_fault(leader, stuck.suspend)  # alive, but its heartbeat stops
     assert text == reference.text and token_ids == reference.token_ids
     assert took < RESUME_S + DETECT_S, took
+    # rank 0 sat in a shared-memory wait for the stuck rank: its deadman aborted it once the
+    # supervisor replaced rank 1, and rank 0 kept its process and its weights
+    assert cluster.restarts[0] == restarts and cluster.log(0).count("model smol: kept its weights") == kept + 1
 
 
 def test_an_op_to_ranks_with_no_worker_fails_at_once():
