@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +21,7 @@ from celerytp import CeleryTPError, Leader
 from celerytp.cluster import LocalCluster
 from celerytp.core.app import op_task_name, queue_name
 from celerytp.core.errors import ErrorKind
+from celerytp.worker.lease import RankLease, claim_is_stale
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -49,6 +52,39 @@ def test_a_restarted_rank_rejoins_without_a_manual_init(cluster2):
     assert [s.observed_sum for s in leader.sanity_check()] == [2, 2]
     after = {p.comm_id for p in leader.ping()}
     assert len(after) == 1 and after != before
+
+
+def test_a_killed_workers_claim_is_taken_over_at_once(cluster2):
+    """The supervisor's new worker for a SIGKILLed rank, on the same host and pid namespace, sees
+    that the claim's process is gone and takes the rank without waiting out the claim's TTL."""
+    old = cluster2.workers[1].pid
+    os.killpg(old, signal.SIGKILL)  # LocalCluster's supervisor starts a new worker
+    deadline = time.monotonic() + 30
+    while (cluster2.leader.health()[1] or {}).get("pid") in (None, old):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert f'from a worker that is gone ({{"host": "{socket.gethostname()}", "pid": {old}' in cluster2.log(1)
+    assert [s.observed_sum for s in cluster2.leader.sanity_check()] == [2, 2]
+
+
+def test_only_a_gone_process_of_this_pid_space_has_a_stale_claim(tmp_path):
+    """claim_is_stale: a claim of a live process, of another host, boot or pid namespace, or
+    unreadable must be waited out; one whose process exited, or whose pid another process took
+    since, need not."""
+    mine = json.loads(RankLease(None, "g", 0, "cpu").value)
+
+    def stale(**changes) -> bool:
+        return claim_is_stale(json.dumps({**mine, **changes}).encode())
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    assert not stale()  # this live process
+    assert stale(pid=exited.pid)
+    assert stale(since=mine["since"] - 3600)  # the pid is this process's, which started after the claim: reused
+    assert not stale(pid=exited.pid, host="another-host")
+    assert not stale(pid=exited.pid, boot="another-boot")
+    assert not stale(pid=exited.pid, pid_ns=1)
+    assert not claim_is_stale(b"not json") and not claim_is_stale(b'{"pid": "x"}')
 
 
 def test_collective_with_a_stuck_peer_times_out(cluster2):

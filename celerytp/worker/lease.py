@@ -8,7 +8,9 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
+import psutil
 import redis
 
 from celerytp.core.keys import owner_key
@@ -33,6 +35,39 @@ return 0
 """
 
 
+def _pid_space() -> dict[str, str | int]:
+    """This kernel boot and pid namespace: where a claim's pid can be looked up ({} off Linux)."""
+    try:
+        return {"boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+    except OSError:
+        return {}
+
+
+def claim_is_stale(holder: bytes) -> bool:
+    """Whether a claim, still within its TTL, was made by a process that is gone: one of this host,
+    kernel boot and pid namespace, whose pid is free, a zombie, or another process's (started after
+    the claim). Its supervisor restarted the rank at once after a crash: waiting out the TTL would
+    only delay the heal. Anything else (another host, a live or stopped process, an unreadable
+    claim) is a claim the new worker must wait out."""
+    try:
+        claim = json.loads(holder)
+        pid, since = int(claim["pid"]), float(claim["since"])
+    except (ValueError, TypeError, KeyError):
+        return False
+    here = _pid_space()
+    if not here or claim.get("host") != socket.gethostname() or any(claim.get(k) != v for k, v in here.items()):
+        return False
+    try:
+        process = psutil.Process(pid)
+        # a reused pid's process started after the claim (which its holder made once running)
+        return process.status() == psutil.STATUS_ZOMBIE or process.create_time() > since + 0.5
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
 class RankTaken(Exception):
     """Another live worker owns this group and rank."""
 
@@ -48,16 +83,19 @@ class RankLease:
         self._redis = client
         self._key = owner_key(group, rank)
         self.value = json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "device": device, "since": time.time()}
+            {"host": socket.gethostname(), "pid": os.getpid(), "device": device, "since": time.time(), **_pid_space()}
         )
         self.timing = HeartbeatTiming.from_env()
         self._stop = threading.Event()
         self._value_lock = threading.Lock()  # a beat never compares against a value being replaced
 
     def acquire(self) -> None:
-        if not self._redis.set(self._key, self.value, nx=True, px=int(self.timing.ttl_s * 1000)):
+        ttl_ms = int(self.timing.ttl_s * 1000)
+        if not self._redis.set(self._key, self.value, nx=True, px=ttl_ms):
             holder = self._redis.get(self._key)
-            raise RankTaken(f"{self._key} is held by a live worker: {holder.decode() if holder else '?'}")
+            if not (holder and claim_is_stale(holder) and self._redis.eval(_REPLACE, 1, self._key, holder, self.value, ttl_ms)):
+                raise RankTaken(f"{self._key} is held by a live worker: {holder.decode() if holder else '?'}")
+            log.warning("took over %s from a worker that is gone (%s), without waiting out its TTL", self._key, holder.decode())
         threading.Thread(target=self._beat, name="celerytp-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
