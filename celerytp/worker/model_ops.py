@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -169,10 +167,9 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
     kept = entry is not None
     if kept:  # a heal: the shards are here already, this rank meets the others' collectives
         entry.forget_all()  # the broken group's requests resume by a prefill of their tokens
-        failure, ready = None, partial(rejoin_decode, entry.model, progress.stage)
+        failure = None
     else:
         entry, failure = _read(state, request, progress)
-        ready = partial(_prepare, entry.model if entry else None, progress.stage)
     # All ranks or none: every rank read its shard before any compiles decode (its warm-up runs
     # collectives a rank that failed would never meet), and every rank is ready before any commits.
     try:
@@ -180,13 +177,17 @@ def load(state: RankState, request: p.LoadRequest) -> p.Loaded:
         _agree(state, failure)
         _agree_on_context(state, entry.model)  # a collective: its failure is the group's, not this load's
         try:
-            ready()
+            if kept:
+                rejoin_decode(entry.model, progress.stage)
+            else:
+                with mapped_weights():
+                    prepare_decode(entry.model, progress.stage)
         except Exception as exc:  # noqa: BLE001
             failure = _load_failure(request, exc)
         _agree(state, failure)
     except CeleryTPError:
         state.models.pop(request.model_id, None)  # a kept model too: a load leaves every rank or none holding it
-        del entry, ready
+        del entry
         release_memory()
         raise
     finally:
@@ -229,8 +230,7 @@ def _read(
     """This rank's shard read from the files, or the failure that kept it from being read."""
     dtype = DTYPES[_dtype_name(state, request)]
     try:
-        path = confine(request.path, state.config.model_roots)
-        mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
+        path, mmproj = _model_files(state, request)
         check_half_precision(dtype, state.device)
         with read_deadline(request.read_deadline_s), mapped_weights():
             # rank 0 detokenizes: a model is loaded only if it can serve
@@ -250,11 +250,6 @@ def _read(
         return None, _load_failure(request, exc)
 
 
-def _prepare(model: CausalLM | None, progress: Callable[[str], None]) -> None:
-    with mapped_weights():
-        prepare_decode(model, progress)
-
-
 def _kept(state: RankState, request: p.LoadRequest) -> LoadedModel | None:
     """The model this rank holds under the request's id, when a `keep` load may keep it: loaded
     with the same settings, from files unchanged since. A held model that differs is dropped
@@ -265,10 +260,8 @@ def _kept(state: RankState, request: p.LoadRequest) -> LoadedModel | None:
     if not request.keep:
         raise CeleryTPError(ErrorKind.ALREADY_LOADED, f"model id {request.model_id!r} is already loaded")
     try:
-        path = confine(request.path, state.config.model_roots)
-        mmproj = None if request.mmproj is None else confine(request.mmproj, state.config.model_roots, "mmproj")
         same = (entry.record.get("load") == request.model_dump(include=set(LOAD_FIELDS))
-                and entry.source == source_stamp(path, mmproj))
+                and entry.source == source_stamp(*_model_files(state, request)))
     except (CeleryTPError, OSError):
         same = False  # read afresh: that load reports what is wrong
     if same:
@@ -279,12 +272,19 @@ def _kept(state: RankState, request: p.LoadRequest) -> LoadedModel | None:
     return None
 
 
+def _model_files(state: RankState, request: p.LoadRequest) -> tuple[Path, Path | None]:
+    """The request's model path and mmproj, each confined to the model roots (`confine`)."""
+    roots = state.config.model_roots
+    return confine(request.path, roots), None if request.mmproj is None else confine(request.mmproj, roots, "mmproj")
+
+
 def source_stamp(path: Path, mmproj: Path | None) -> list[list]:
     """Each file a load reads (a directory's entries), with its size and modification time: a
     kept shard is only as good as the files it was read from."""
     files = sorted(path.iterdir()) if path.is_dir() else [path]
     files += [mmproj] if mmproj is not None else []
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    stats = [(f, f.stat()) for f in files if f.is_file()]
+    return [[str(f), st.st_size, st.st_mtime_ns] for f, st in stats]
 
 
 def _check_step(entry: LoadedModel, request: p.StepRequest) -> SamplingParams:
