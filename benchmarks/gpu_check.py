@@ -143,13 +143,17 @@ def run_checks(cluster, args: argparse.Namespace, model_path: str | None, check:
 
     def rank_kill() -> str:
         rank = args.tp - 1
+        restarts = list(cluster.restarts)
         killed = time.monotonic()
         os.killpg(cluster.workers[rank].pid, signal.SIGKILL)  # LocalCluster's supervisor starts a new one
         while True:
             try:
                 tokens = leader.generate("smol", **SHORT).token_ids
                 assert tokens == lone, "after the heal, greedy tokens differ from before"
-                return f"rank {rank} SIGKILLed; served again {time.monotonic() - killed:.1f} s later"
+                # whether the survivors' abort (the shared-memory segment's, NCCL's) kept their processes
+                survivors = [r for r in range(args.tp) if r != rank and cluster.restarts[r] == restarts[r]]
+                return (f"rank {rank} SIGKILLed; served again {time.monotonic() - killed:.1f} s later; "
+                        f"ranks that kept their process: {survivors}")
             except Exception:
                 if time.monotonic() - killed > HEAL_DEADLINE_S:
                     raise

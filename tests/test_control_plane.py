@@ -62,18 +62,20 @@ def deep(tmp_path_factory):
     return model.config.vocab_size, path
 
 
-@pytest.mark.parametrize("mode", ["raise", "block"])
+@pytest.mark.parametrize("mode", ["raise", "block", "hang"])
 def test_a_peer_lost_under_a_collective_that_fails_late_is_healed_and_no_rank_hangs(deep, mode):
     """NCCL (no GPU here) queues a collective and returns at once: a peer lost under it shows only
     when the host next waits for the device, the step's one copy to the host, and the step's
     outputs are undefined. CELERYTP_ASYNC_FAILURES makes a CPU group's model collectives fail so
-    (distributed/tp.py `host_sync`): raised at that sync ("raise"), or the sync waits on for good
-    ("block"), as a copy behind a collective that never ends does. Rank 1 is SIGKILLed mid-stream
-    until rank 0 meets the loss in a model collective (not first in a control one, which fails
-    at once on every backend). Raise: rank 0 marks the group broken and keeps its process; block:
-    the deadman ends rank 0 within seconds and it restarts. Either way the group heals with no
-    person and the stream goes on where it stopped, with no token of the failed step: its text
-    equals an unbroken run's."""
+    (distributed/late_failures.py): raised at that sync ("raise"); or the sync waits until the
+    model group is aborted ("block", as a copy behind a collective that never ends, until
+    ncclCommAbort ends it); or waits for good ("hang": a device that not even the abort frees).
+    Rank 1 is SIGKILLed mid-stream until rank 0 meets the loss in a model collective (not first
+    in a control one, which fails at once on every backend). Raise: rank 0 marks the group broken
+    and keeps its process. Block: the deadman aborts the model group within seconds, the freed
+    sync raises, and rank 0 keeps its process. Hang: the deadman ends rank 0 and it restarts.
+    Either way the group heals with no person and the stream goes on where it stopped, with no
+    token of the failed step (the one the abort freed included): its text equals an unbroken run's."""
     vocab, path = deep
     env = {ASYNC_FAILURES_ENV: mode,  # what this test checks
            # gloo fails a collective at once when its peer's socket closes, as NCCL reports a lost
@@ -98,9 +100,11 @@ def test_a_peer_lost_under_a_collective_that_fails_late_is_healed_and_no_rank_ha
                 break
         else:
             pytest.fail("rank 0 met the lost peer in a control collective every time")
-        assert "collective failed" in cluster.log(0) if mode == "raise" else "peer of this collective op is gone" in cluster.log(0)
+        said = {"raise": "collective failed", "block": "the op failed, this worker goes on",
+                "hang": "exiting with code 4: a peer of this collective op is gone"}
+        assert said[mode] in cluster.log(0)
         assert cluster.restarts[1] == restarts[1] + 1
-        assert cluster.restarts[0] == restarts[0] + (mode == "block")
+        assert cluster.restarts[0] == restarts[0] + (mode == "hang")
         assert [r.observed_sum for r in leader.sanity_check()] == [2, 2]
 
 

@@ -14,7 +14,7 @@ that needs another value sets it itself and says why.
 | CELERYTP_ALLOW_SLOW_HALF | 0, 1 | load half-precision weights where they decode slower (models/half_precision.py) |
 | CELERYTP_DEVICE_PATH_ON_CPU | 0, 1 | a CPU rank takes a CUDA rank's decisions (layers/host_transfer.py `takes_device_path`) |
 | CELERYTP_SYNC_CHECK | 0, 1 | fail a serving step that makes the host wait for the device more than its budget (worker/host_syncs.py) |
-| CELERYTP_ASYNC_FAILURES | 0, raise, block | tests only: a CPU group's model collectives fail as NCCL's do, seen at the next host sync (distributed/tp.py `host_sync`) |
+| CELERYTP_ASYNC_FAILURES | 0, raise, block, hang | tests only: a CPU group's model collectives fail as NCCL's do, seen at the next host sync (distributed/late_failures.py) |
 
 1 and 0 may also be written true / yes / on and false / no / off.
 """
@@ -43,7 +43,7 @@ SWITCHES = {
     ALLOW_SLOW_HALF_ENV: ("0", "1"),
     DEVICE_PATH_ENV: ("0", "1"),
     SYNC_CHECK_ENV: ("0", "1"),
-    ASYNC_FAILURES_ENV: ("0", "raise", "block"),
+    ASYNC_FAILURES_ENV: ("0", "raise", "block", "hang"),
 }
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from celerytp.core.step_clock import timed
-from celerytp.core.switches import ASYNC_FAILURES_ENV, INVARIANT_ENV, switch
+from celerytp.core.switches import INVARIANT_ENV, switch
 from celerytp.distributed import shm
 from celerytp.distributed.control import CollectiveFailed, checked, checked_shm
-
-log = logging.getLogger(__name__)
+from celerytp.distributed.late_failures import issue
 
 # Tests set this on every rank to prove that the model's group carries model tensors only (the
 # two-channel rule, docs/design.md): any other tensor handed to it is refused loudly.
@@ -75,11 +70,11 @@ class TPContext:
             self._check(tensor)
             fast = self._shm(tensor)
             if fast is not None:
-                _issue(lambda: checked_shm(lambda: fast.all_reduce(tensor)))
+                issue(lambda: checked_shm(lambda: fast.all_reduce(tensor)))
             elif self.world_size > 2 and switch(INVARIANT_ENV) == "1":
                 self._all_reduce_in_rank_order(tensor)
             else:
-                _issue(lambda: checked(lambda: dist.all_reduce(tensor, group=self.group)))
+                issue(lambda: checked(lambda: dist.all_reduce(tensor, group=self.group)))
         return tensor
 
     def _all_reduce_in_rank_order(self, tensor: torch.Tensor) -> None:
@@ -96,15 +91,15 @@ class TPContext:
         flat, world = tensor.view(-1), self.world_size
         if tensor.nbytes <= RANK_ORDER_GATHER_BYTES:
             parts = flat.new_empty(world, flat.numel())
-            _issue(lambda: checked(lambda: dist.all_gather_into_tensor(parts.view(-1), flat, group=self.group)))
+            issue(lambda: checked(lambda: dist.all_gather_into_tensor(parts.view(-1), flat, group=self.group)))
             shm.fold_in_rank_order(parts, flat)
             return
         chunk = -(-flat.numel() // world)
         sent = F.pad(flat, (0, chunk * world - flat.numel()))
         taken = sent.new_empty(world, chunk)  # every rank's chunk `rank`
-        _issue(lambda: checked(lambda: dist.all_to_all_single(taken.view(-1), sent, group=self.group)))
+        issue(lambda: checked(lambda: dist.all_to_all_single(taken.view(-1), sent, group=self.group)))
         mine = shm.fold_in_rank_order(taken, taken.new_empty(chunk))
-        _issue(lambda: checked(lambda: dist.all_gather_into_tensor(sent, mine, group=self.group)))
+        issue(lambda: checked(lambda: dist.all_gather_into_tensor(sent, mine, group=self.group)))
         flat.copy_(sent[: flat.numel()])
 
     def gather_last_dim(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -120,10 +115,10 @@ class TPContext:
         self._check(padded)
         fast = self._shm(padded)
         if fast is not None:  # (a failure left unseen: any output will do, as NCCL's is undefined)
-            parts = _issue(lambda: list(checked_shm(lambda: fast.all_gather(padded)))) or [padded] * self.world_size
+            parts = issue(lambda: list(checked_shm(lambda: fast.all_gather(padded)))) or [padded] * self.world_size
         else:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-            _issue(lambda: checked(lambda: dist.all_gather(parts, padded, group=self.group)))
+            issue(lambda: checked(lambda: dist.all_gather(parts, padded, group=self.group)))
         return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
 
     def _check(self, tensor: torch.Tensor) -> None:
@@ -148,55 +143,6 @@ class TPContext:
         if fast is not None and fast.world_size == self.world_size and fast.fits(tensor):
             return fast
         return None
-
-
-# ---- failures seen late, as NCCL's are -------------------------------------------------------
-# An NCCL collective is queued on the device and returns at once; a peer lost under it shows only
-# when the host next waits for the device (the step's one copy to the host), and its output is
-# undefined. gloo's fail in the call. Tests make a CPU group's model collectives fail NCCL's way
-# (CELERYTP_ASYNC_FAILURES): the call returns, its output left as it is, and the failure is seen
-# at the next host sync (`host_sync`): raised there ("raise"), or that sync waits on for good
-# ("block"), as a copy behind a collective that never ends does, until the deadman
-# (worker/watchdog.py) ends the process. Control collectives are gloo on every device: not deferred.
-class _Unseen(threading.local):
-    error: CollectiveFailed | None = None
-
-
-_UNSEEN = _Unseen()
-
-
-def _issue(call: Callable[[], Any]) -> Any:
-    """Run one model collective; with late failures emulated, keep its failure for `host_sync`
-    and return None."""
-    try:
-        return timed("collectives", call)
-    except CollectiveFailed as exc:
-        if _late_failures() == "0":
-            raise
-        _UNSEEN.error = _UNSEEN.error or exc
-        return None
-
-
-@functools.cache
-def _late_failures() -> str:
-    return switch(ASYNC_FAILURES_ENV)
-
-
-def host_sync() -> None:
-    """The host waits for the model's device here: a model collective that failed unseen since the
-    last sync (emulated NCCL failures, above) is raised, or waited on for good."""
-    error, _UNSEEN.error = _UNSEEN.error, None
-    if error is None:
-        return
-    log.warning("a model collective failed unseen, seen at this host sync: %s", error)
-    if _late_failures() == "block":
-        threading.Event().wait()  # as a CUDA copy behind a collective that never ends
-    raise error
-
-
-def forget_unseen_failure() -> None:
-    """A new group: what failed in the old one is not this one's."""
-    _UNSEEN.error = None
 
 
 # ---- the collectives as custom ops, so a compiled decode step is one graph ---------------------

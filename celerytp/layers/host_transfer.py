@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from celerytp.core.switches import DEVICE_PATH_ENV, switch
-from celerytp.distributed.tp import host_sync
+from celerytp.distributed.late_failures import raise_if_aborted, wait_for_device
 
 
 def takes_device_path(device: torch.device) -> bool:
@@ -35,8 +35,9 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     below 2**24, as token ids are: the vocabulary-parallel head sends them so too)."""
     if not tensors:
         return []
-    host_sync()  # the copy waits for every collective queued before it
+    wait_for_device()  # the copy waits for every collective queued before it
     joined = torch.cat([t.reshape(-1).float() for t in tensors]).cpu()
+    raise_if_aborted()  # a copy that the model group's abort freed holds undefined values
     parts = joined.split([t.numel() for t in tensors])
     return [part.view(t.shape).to(t.dtype if t.is_floating_point() else torch.long) for part, t in zip(parts, tensors)]
 

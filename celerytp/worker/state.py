@@ -19,8 +19,10 @@ from celerytp.core.liveness import read_owners
 from celerytp.core.redis_client import connect
 from celerytp.distributed import control, shm
 from celerytp.distributed.control import CollectiveFailed, ControlGroup
+from celerytp.distributed.late_failures import ABORT_GRACE_S, abort_model_group, asynchronous, forget_abort, host_sync
 from celerytp.distributed.store import RedisStore
-from celerytp.distributed.tp import TPContext, forget_unseen_failure, host_sync
+from celerytp.distributed.tp import TPContext
+from celerytp.worker import exits
 from celerytp.worker.config import RankConfig
 from celerytp.worker.loaded_model import LoadedModel
 
@@ -154,6 +156,10 @@ class RankState:
         """The group cannot be trusted any more (a peer may sit in a collective this rank left):
         refuse collective ops and tell the leaders (core/keys.broken_key), whose healer re-forms it."""
         self.group_broken = why or "collective failed"
+        if asynchronous() and not abort_model_group(self.group_broken, ABORT_GRACE_S):
+            # NCCL: device work may be queued behind a collective that never ends; unaborted, it
+            # would hold up every later step, so a clean process is the way back
+            exits.exit_now(exits.PEER_LOST, f"the broken model group could not be aborted ({self.group_broken})")
         if self.comm_id is None:
             return
         try:
@@ -184,8 +190,9 @@ class RankState:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
             # Past the group's timeout NCCL's watchdog tears the process down (3), never leaves it
-            # running on a communicator whose aborted collectives left their outputs undefined
-            # (docs/reliability.md); a lost peer is met sooner by worker/watchdog.py.
+            # running on a communicator whose aborted collectives left their outputs undefined. A
+            # lost peer is met sooner by worker/watchdog.py, whose abort (distributed/late_failures.py)
+            # stops that watchdog first and fails the steps it touched (docs/reliability.md).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         store = RedisStore(self.redis, rendezvous_prefix(self.config.group, comm_id), timedelta(seconds=timeout_s))
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
@@ -200,7 +207,7 @@ class RankState:
             raise CeleryTPError(ErrorKind.INIT_FAILED, f"{backend} rendezvous {comm_id} failed: {exc}") from exc
         self.comm_id = comm_id
         self.group_broken = None
-        forget_unseen_failure()
+        forget_abort()
         self.members = read_owners(self.redis, self.config.group, self.world_size)
         return backend
 

@@ -3,16 +3,18 @@ leaves the process.
 
 A gloo or NCCL collective whose peer was SIGKILLed usually fails at once (its connection
 closes), but a peer that is stuck (SIGSTOP, a hung driver) leaves every other rank blocked
-until the process group's timeout, and a blocked gloo or NCCL collective cannot be interrupted
-from Python. Nor does a killed peer close anything under the shared-memory path: its waits sleep
-until their deadline. So while this rank runs a collective op, a thread watches the peers'
-heartbeat keys. When one is gone or replaced, a CPU rank first aborts the shared-memory waits
-(distributed/shm.py `abort`): an op waiting there fails at once, the group is marked broken, and
-the worker keeps its process and its weights (a heal keeps them: worker/model_ops.py). A CUDA
-rank does not: NCCL kernels queued behind the lost peer would never finish. An op still running
-ABORT_GRACE_S later (or on CUDA) is blocked in the backend: this worker exits with
-exits.PEER_LOST and its supervisor starts it clean. The leader meanwhile names the lost rank
-(client/leader.py) and re-forms the group once every rank is live again.
+until the process group's timeout, and a blocked gloo collective cannot be interrupted from
+Python. Nor does a killed peer close anything under the shared-memory path: its waits sleep
+until their deadline; and an NCCL collective blocks the device work queued behind it, so the
+host's next copy from the device waits for good. So while this rank runs a collective op, a
+thread watches the peers' heartbeat keys. When one is gone or replaced, it aborts the model
+group where the backend allows it (distributed/late_failures.py `abort_model_group`: the
+shared-memory segment's waits, the NCCL communicator): the op fails, the group is marked broken,
+and the worker keeps its process and its weights (a heal keeps them: worker/model_ops.py). An op
+still running ABORT_GRACE_S later is blocked where nothing aborts it (gloo, a device that the
+abort did not free): this worker exits with exits.PEER_LOST and its supervisor starts it clean.
+The leader meanwhile names the lost rank (client/leader.py) and re-forms the group once every
+rank is live again.
 """
 
 from __future__ import annotations
@@ -22,12 +24,11 @@ import threading
 import time
 
 from celerytp.core.liveness import HeartbeatTiming, RankWatch
-from celerytp.distributed import shm
+from celerytp.distributed.late_failures import ABORT_GRACE_S, abort_model_group
 from celerytp.worker import exits
 from celerytp.worker.state import RankState
 
 log = logging.getLogger(__name__)
-ABORT_GRACE_S = 3.0  # an op the shared-memory abort did not end by then is blocked in gloo or NCCL
 
 
 class PeerWatchdog:
@@ -59,13 +60,11 @@ class PeerWatchdog:
                 exits.exit_now(exits.PEER_LOST, f"a peer of this collective op is gone ({why})")
 
     def _abort_op(self, why: str) -> bool:
-        """Fail the op in progress through its shared-memory waits; whether it ended in time."""
-        state, fast = self._state, shm.active()
-        if fast is None or state.device.type == "cuda":
-            return False  # on CUDA the op's NCCL kernels may be queued behind the lost peer for good
-        op = state.ops_started
-        fast.abort(why)
-        deadline = time.monotonic() + ABORT_GRACE_S
+        """Fail the op in progress by aborting the model group; whether it ended in time."""
+        state = self._state
+        op, deadline = state.ops_started, time.monotonic() + ABORT_GRACE_S
+        if not abort_model_group(why, ABORT_GRACE_S):
+            return False
         while state.in_collective_op and state.ops_started == op:
             if time.monotonic() > deadline:
                 return False
