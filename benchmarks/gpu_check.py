@@ -8,7 +8,9 @@ nccl), the sanity check on both channels, loading the default SmolLM2 GGUF (or -
 concurrent generations (one batch), a stream, a cancel mid-stream (the row frees), a group
 broken while every process lives (healed with every rank keeping its weights; on CUDA its decode
 graphs are recorded again), a SIGKILL of the last rank followed by a request that succeeds once
-the group healed. Exit 0 when every check
+the group healed; and, in a process of its own, the model group's abort (benchmarks/
+group_abort.py: on CUDA, the NCCL communicator aborted, the next copy refused, the group formed
+again). Exit 0 when every check
 passes, 1 when one fails, 2 when there is no CUDA device (unless `--device cpu`, a smoke run of
 the same logic on gloo), 3 when the model cannot be found.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SHORT = dict(prompt="The capital of France is", max_tokens=12, temperature=0)
-CHECKS = 9  # rows of a full run: start and the eight checks
+CHECKS = 10  # rows of a full run: start, the eight cluster checks and the abort
 HEAL_DEADLINE_S = 180.0
 ROW_FREE_DEADLINE_S = 5.0
 
@@ -74,6 +77,7 @@ def main() -> int:
             run_checks(cluster, args, None if args.model is None else str(model), check)
     finally:
         cluster.stop()
+    check("abort the model group, form it again", lambda: group_abort("cpu" if args.device == "cpu" else "cuda"))
     print(table(rows))
     return 0 if len(rows) == CHECKS and all(ok for _, ok, _, _ in rows) else 1
 
@@ -164,6 +168,17 @@ def run_checks(cluster, args: argparse.Namespace, model_path: str | None, check:
                      ("group broken, heal keeping weights, serve", kept_weights), ("SIGKILL a rank, heal, serve", rank_kill)]:
         if not check(name, fn) and name in ("init", "load model"):
             break
+
+
+def group_abort(device: str) -> str:
+    """benchmarks/group_abort.py in a process of its own (it forms a default group, and an abort
+    that goes wrong may end its process)."""
+    script = Path(__file__).resolve().parent / "group_abort.py"
+    done = subprocess.run([sys.executable, str(script), "--device", device], capture_output=True, text=True, timeout=120)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    said = next((line for line in lines if line.startswith("group_abort:")), (lines or ["no output"])[-1])
+    assert done.returncode == 0, f"exit {done.returncode}: {said}"
+    return said.removeprefix("group_abort: ")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

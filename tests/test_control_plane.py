@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +109,16 @@ def test_a_peer_lost_under_a_collective_that_fails_late_is_healed_and_no_rank_ha
         assert cluster.restarts[1] == restarts[1] + 1
         assert cluster.restarts[0] == restarts[0] + (mode == "hang")
         assert [r.observed_sum for r in leader.sanity_check()] == [2, 2]
+
+
+def test_the_gpu_checks_abort_row_runs_its_steps_on_gloo():
+    """benchmarks/group_abort.py, the GPU check's in-process abort of the model group, run as that
+    check runs it but on gloo (no GPU here; on gloo there is no communicator to abort): the mark
+    refuses the next copy from the device, and the group is destroyed and formed again."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "group_abort.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "next copy refused (the model group was aborted" in done.stdout and "formed again and used" in done.stdout
 
 
 def test_strict_mode_refuses_control_data_on_the_model_group(monkeypatch, tmp_path):
