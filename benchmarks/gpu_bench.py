@@ -1,6 +1,7 @@
 """The prepared GPU measurement: what a step costs on a GPU and where, in one run of a few minutes.
 
-Run: bash scripts/gpu_bench.sh   (or python benchmarks/gpu_bench.py [--device cpu] [--budget-s 280])
+Run: bash scripts/gpu_bench.sh   (or python benchmarks/gpu_bench.py [--device cpu] [--budget-s 280]
+     [--parts NAME ...]: some of the parts below, in the order given)
 
 Parts, in this order, each in a process of its own with its own time limit; one that fails or
 runs out of time is reported and the next runs, and parts that no longer fit the budget are
@@ -19,7 +20,9 @@ skipped (named in the table):
    `torch.compile(mode="reduce-overhead")`; and our load time again with the compile cache warm.
 4. invariance: benchmarks/invariance.py on the device (the shipped model, as a CUDA rank loads
    it): a row's logits alone against beside 15 others, and prefilled against decoded, bit for
-   bit, each way of CELERYTP_BATCH_INVARIANT, with the decode and prefill speeds.
+   bit, each way of CELERYTP_BATCH_INVARIANT (on: cuBLAS held to one order per shape,
+   layers/cuda_blas.py; whether that holds on this GPU is what a CUDA load's batch_invariant
+   waits on), with the decode and prefill speeds (what holding cuBLAS costs).
 5. tp2: TP=2 on one GPU, two processes whose model group is gloo over CUDA tensors (the sharded
    CUDA path without a second GPU): the tiny model's decode step at batch 1 and 16.
 6. profile: benchmarks/gpu_step.py, torch.profiler's most expensive ops of a decode step.
@@ -51,21 +54,26 @@ LOOP_VARIANTS = {  # name -> environment of the cluster's rank
 PART_LIMIT_S = {"loop": 75, "syncs": 60, "moe": 45, "invariance": 90, "smol": 150, "tp2": 60, "profile": 45}
 
 
+ORDER = ("loop", "syncs", "moe", "smol", "invariance", "tp2", "profile")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu: a small run that checks the script")
     parser.add_argument("--budget-s", type=float, default=280.0, help="skip the parts that no longer fit")
+    parser.add_argument("--parts", nargs="+", choices=ORDER, default=list(ORDER),
+                        help="which parts, in this order (default: all, in the order above)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # run one part (in its own process)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)  # a loop variant, a tp2 rank
     parser.add_argument("--init", default=None, help=argparse.SUPPRESS)  # tp2: the ranks' rendezvous file
-    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # tp2: the tiny model's directory
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # tp2: the tiny model's directory; smol_hf: the weights
     args = parser.parse_args()
     if args.part is not None:
         print(json.dumps(PARTS[args.part](args)), flush=True)
         return 0
     deadline = time.monotonic() + args.budget_s
     rows = []
-    for name in ("loop", "syncs", "moe", "smol", "invariance", "tp2", "profile"):
+    for name in args.parts:
         jobs = [(f"loop: {variant}", ["--part", "loop", "--index", str(i)]) for i, variant in enumerate(LOOP_VARIANTS)] \
             if name == "loop" else [(name, ["--part", name])]
         if args.device == "cpu" and name == "loop":
@@ -174,20 +182,26 @@ def part_moe(args: argparse.Namespace) -> dict:
             **host_waits(path, args.device, str(dtype).removeprefix("torch."))}
 
 
+def smol_setting(args: argparse.Namespace) -> tuple:
+    """part_smol's device, dtype, device sync and batch widths (small on a CPU)."""
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        return device, torch.bfloat16, torch.cuda.synchronize, (1, 16)
+    return device, torch.float32, lambda: None, (1, 4)
+
+
 def part_smol(args: argparse.Namespace) -> dict:
     """SmolLM2 in bfloat16: ours against transformers' compiled static-cache generate."""
     import torch
     from gpu_step import timed_steps
-    from transformers import AutoModelForCausalLM
 
     from celerytp.distributed.tp import TPContext
     from celerytp.models import load_model
 
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    device, dtype, sync, batches = smol_setting(args)
     folder = hf_directory(Path(tempfile.mkdtemp(prefix="smol-hf-")), dtype)
-    batches = (1, 16) if device.type == "cuda" else (1, 4)
     out: dict = {}
     for attempt in ("load", "load, compile cache warm"):
         started = time.perf_counter()
@@ -198,7 +212,22 @@ def part_smol(args: argparse.Namespace) -> dict:
             us = timed_steps(ours, batch, 40 if device.type == "cuda" else 8, sync, "host")
             out[f"ours b{batch} tok/s"] = round(batch / us * 1e6)
     del ours
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    # transformers as its users run it, in a process of its own: ours held cuBLAS to one order per
+    # shape in this one (layers/cuda_blas.py), and cuBLAS reads some of that once per process
+    done = subprocess.run([sys.executable, __file__, "--part", "smol_hf", "--device", args.device, "--model", str(folder)],
+                          capture_output=True, text=True, check=True, timeout=PART_LIMIT_S["smol"])
+    out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def part_smol_hf(args: argparse.Namespace) -> dict:
+    """transformers' compiled static-cache generate on part_smol's weights (--model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device, dtype, sync, batches = smol_setting(args)
+    out: dict = {}
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     hf.generation_config.cache_implementation = "static"
     if device.type == "cuda":
         hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
@@ -275,7 +304,7 @@ def part_invariance(args: argparse.Namespace) -> dict:
     until this holds there), and what invariance costs."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "invariance.py"), "--device", args.device,
                            "--repeats", "1", "--prompt", "256", "--steps", "16"], capture_output=True, text=True, check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))  # a table follows it
     keep = ("batched_equal_steps", "prefill_equal_steps", "decode_b1_tok_s", "decode_b16_tok_s", "prefill_tok_s")
     return {name: {key: result[name][key] for key in keep} for name in ("invariant", "sdpa")}
 
@@ -287,7 +316,7 @@ def part_profile(args: argparse.Namespace) -> dict:
     return {"steps": [line for line in done.stdout.splitlines() if line.startswith(("load", "batch"))]}
 
 
-PARTS = {"loop": part_loop, "syncs": part_syncs, "moe": part_moe, "invariance": part_invariance, "smol": part_smol, "tp2": part_tp2, "tp2_rank": part_tp2_rank,
+PARTS = {"loop": part_loop, "syncs": part_syncs, "moe": part_moe, "invariance": part_invariance, "smol": part_smol, "smol_hf": part_smol_hf, "tp2": part_tp2, "tp2_rank": part_tp2_rank,
          "profile": part_profile}
 
 if __name__ == "__main__":

@@ -137,13 +137,17 @@ def run_checks(cluster, args: argparse.Namespace, model_path: str | None, check:
         from celerytp.core.keys import broken_key
 
         kept = [cluster.log(r).count("model smol: kept its weights") for r in range(args.tp)]
+        free = [pong.memory.get("free", 0) >> 20 for pong in leader.ping()]
         started = time.monotonic()
         leader.redis.set(broken_key(cluster.group), leader.ping()[0].comm_id)  # as a rank reports a failed collective
         tokens = leader.generate("smol", **SHORT).token_ids
         assert tokens == lone, "after the heal, greedy tokens differ from before"
+        served = time.monotonic() - started
         now = [cluster.log(r).count("model smol: kept its weights") for r in range(args.tp)]
         assert all(b == a + 1 for a, b in zip(kept, now, strict=True)), f"a rank read its weights again: {kept} -> {now}"
-        return f"every rank kept its weights; served again {time.monotonic() - started:.1f} s later"
+        # a CUDA rank records its decode graphs again: the old ones' memory should come back
+        after = [pong.memory.get("free", 0) >> 20 for pong in leader.ping()]
+        return f"every rank kept its weights; served again {served:.1f} s later; device MiB free per rank {free} -> {after}"
 
     def rank_kill() -> str:
         rank = args.tp - 1

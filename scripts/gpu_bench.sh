@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements (benchmarks/gpu_bench.py): one device call of about five minutes.
 #
-#   bash scripts/gpu_bench.sh [--device cpu] [--budget-s 280]
+#   bash scripts/gpu_bench.sh [--device cpu] [--budget-s 280] [--parts NAME ...]
 #       Exit 0: every part ran; 1: a part failed (the table says which and why); 2 and 3 as
 #       scripts/gpu_check.sh's.
 #

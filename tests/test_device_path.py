@@ -8,6 +8,8 @@ rank 0 and never elsewhere (worker/host_syncs.py counts it)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from model_fixtures import make_hf_model, make_prompt
@@ -210,6 +212,33 @@ def test_cuda_attention_is_the_memory_efficient_backend_with_its_query_heads_fol
         for mask in (decode, prefill, None):
             expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=heads != kv_heads)
             torch.testing.assert_close(grouped_sdpa(q, k, v, mask, 0.25), expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("invariant", ["1", "0"])
+def test_a_cuda_rank_holds_cublas_to_one_order_per_shape(invariant):
+    """No GPU here: whether cuBLAS then gives a row the same bits beside any rows is for
+    benchmarks/invariance.py on a GPU (scripts/gpu_bench.sh). What runs here is the decision, in a
+    fresh process as a rank makes it before its first product (layers/cuda_blas.py): with
+    invariance on, split-K and reduced-precision reductions off, no cuBLASLt workspace for split-K,
+    and settings the environment gave kept; with it off, nothing changed."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, torch\n"
+        "from celerytp.layers import cuda_blas\n"
+        "m = torch.backends.cuda.matmul\n"
+        "print(cuda_blas.hold_cublas_to_one_order(), cuda_blas.held, m.allow_bf16_reduced_precision_reduction,"
+        " m.allow_bf16_reduced_precision_reduction_split_k, m.allow_fp16_reduced_precision_reduction_split_k,"
+        " os.environ.get('CUBLASLT_WORKSPACE_SIZE'), os.environ.get('CUBLAS_WORKSPACE_CONFIG'))\n"
+    )
+    env = dict(os.environ, CELERYTP_BATCH_INVARIANT=invariant, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env.pop("CUBLASLT_WORKSPACE_SIZE", None)
+    said = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
+    if invariant == "1":
+        assert said == ["True", "True", "False", "False", "False", "1", ":4096:8"]
+    else:
+        assert said == ["False", "False", "True", "True", "True", "None", ":4096:8"]
 
 
 def test_the_experts_grouped_matmul_equals_one_product_per_expert(monkeypatch):

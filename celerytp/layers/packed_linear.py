@@ -24,12 +24,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from celerytp.core.switches import INVARIANT_ENV, PACK_ENV, switch
+from celerytp.layers import cuda_blas
 
 log = logging.getLogger(__name__)
 BATCH_HINT = 1  # the rows oneDNN's layout is chosen for: decode's (measured alike for 16)
@@ -48,13 +50,23 @@ def float_linear(
     not: MKL's F.linear sums a row in an order that changes with the rows beside it (one, 2-15,
     16 and more), oneDNN's in one order for any number of rows from two; a lone row is
     computed as two (docs/models.md, "Batch invariance")."""
+    if weight.is_cuda:  # cuBLAS, held to one order per shape where invariance is on (layers/cuda_blas.py)
+        if cuda_blas.held and x.numel() == x.shape[-1]:  # one row: a GEMV kernel's order otherwise
+            return _as_two_rows(lambda rows: F.linear(rows, weight, bias), x)
+        return F.linear(x, weight, bias)
     if packed is None and (torch.compiler.is_compiling() or not _invariant(weight)):
         return F.linear(x, weight, bias)  # a compiled graph's own matmul (models/base.py `batch_invariant`)
     w = weight if packed is None else packed
     if x.numel() == x.shape[-1] and _invariant(weight):  # one row
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1).contiguous(), w, bias, "none", [], "")
-        return y[:1].reshape(*x.shape[:-1], y.shape[-1])
+        return _as_two_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, w, bias, "none", [], ""), x)
     return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _as_two_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`product` of the one row `x` computed as the product of two copies of it, so that it takes
+    the kernel and order of any other number of rows, not the one a lone row gets."""
+    y = product(x.reshape(1, -1).expand(2, -1).contiguous())
+    return y[:1].reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _invariant(weight: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from celerytp.core.errors import CeleryTPError, ErrorKind
 from celerytp.core.model_files import read_json_object
 from celerytp.core.switches import check_switches
 from celerytp.distributed.tp import TPContext
+from celerytp.layers.cuda_blas import hold_cublas_to_one_order
 from celerytp.layers.packed_linear import pack_linears
 from celerytp.loading import Checkpoint, open_checkpoint
 from celerytp.loading.gguf_mmproj import MmprojCheckpoint, open_with_mmproj
@@ -63,6 +64,8 @@ def load_model(
     llama.cpp's mmproj file of a gemma3 or qwen2vl .gguf's vision tower, loaded with it (loading/gguf_mmproj.py).
     """
     check_switches()  # a mistyped CELERYTP_COMPILE or CELERYTP_PACK_LINEARS: fails before any weight is read
+    if torch.device(device).type == "cuda":
+        hold_cublas_to_one_order()  # a process that loads without a rank worker (benchmarks) too
     opened = open_checkpoint(path) if mmproj is None else open_with_mmproj(path, mmproj)
     with opened as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)
