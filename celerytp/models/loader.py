@@ -65,7 +65,7 @@ def load_model(
     """
     check_switches()  # a mistyped CELERYTP_COMPILE or CELERYTP_PACK_LINEARS: fails before any weight is read
     if torch.device(device).type == "cuda":
-        hold_cublas_to_one_order()  # a process that loads without a rank worker (benchmarks) too
+        hold_cublas_to_one_order()  # a rank's first product is its load's: cuBLAS reads some of this once
     opened = open_checkpoint(path) if mmproj is None else open_with_mmproj(path, mmproj)
     with opened as checkpoint, torch.inference_mode():
         config = config_from_hf(checkpoint.hf_config)

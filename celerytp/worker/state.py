@@ -22,7 +22,6 @@ from celerytp.distributed.control import CollectiveFailed, ControlGroup
 from celerytp.distributed.late_failures import ABORT_GRACE_S, abort_model_group, asynchronous, forget_abort, host_sync
 from celerytp.distributed.store import RedisStore
 from celerytp.distributed.tp import TPContext
-from celerytp.layers.cuda_blas import hold_cublas_to_one_order
 from celerytp.worker import exits
 from celerytp.worker.config import RankConfig
 from celerytp.worker.loaded_model import LoadedModel
@@ -81,7 +80,6 @@ class RankState:
             # this rank's GPU for everything that names none: NCCL's communicator, streams, the
             # caching allocator (without it all ranks of a host would start on GPU 0)
             torch.cuda.set_device(self.device)
-            hold_cublas_to_one_order()  # before any product: cuBLAS reads some of it once
         threads = config.threads or max(1, (os.cpu_count() or 1) // config.world_size)
         torch.set_num_threads(threads)
 
