@@ -94,12 +94,24 @@ def test_request_id_is_echoed_and_logged_without_keys(served):
     assert len(made.headers["x-request-id"]) <= 128
     refused = httpx.get(f"{served.url}/v1/models", headers={"X-Request-Id": "refused-1"})
     assert refused.status_code == 401 and refused.headers["x-request-id"] == "refused-1"
-    log = open(served.log_path).read()
-    line = next(line for line in log.splitlines() if "request_id=trace-42.a:b" in line)
+    line = logged_line(served, "request_id=trace-42.a:b")
     assert "GET /v1/models 200" in line and "ms" in line
-    assert "GET /v1/models 401" in next(line for line in log.splitlines() if "request_id=refused-1" in line)
+    assert "GET /v1/models 401" in logged_line(served, "request_id=refused-1")
+    log = open(served.log_path).read()
     for secret in (*KEYS, ADMIN):
         assert secret not in log
+
+
+def logged_line(served, needle: str, within_s: float = 5.0) -> str:
+    """The server log's line with `needle`. The access line is written once the response has gone
+    out, so a client can read the log before it is there: wait for it, up to `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        line = next((line for line in open(served.log_path).read().splitlines() if needle in line), None)
+        if line is not None:
+            return line
+        assert time.monotonic() < deadline, f"no log line with {needle!r} within {within_s} s"
+        time.sleep(0.05)
 
 
 def test_models_list_vllm_fields(served):
